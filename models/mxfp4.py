@@ -1,0 +1,79 @@
+"""MXFP4 in the compressed-tensors ``mxfp4-pack-quantized`` layout (k3-architecture.md §1.5, §7).
+
+For a logical weight ``W [out, in]``:
+
+* ``weight_packed`` uint8 ``[out, in/2]``: byte j holds element 2j in the **low** nibble and element
+  2j+1 in the high nibble (pitfall 11).
+* E2M1 code: sign = bit 3, magnitude = {0, 0.5, 1, 1.5, 2, 3, 4, 6}[bits 0-2].
+* ``weight_scale`` uint8 E8M0 ``[out, in/32]``: multiplier ``2 ** (e - 127)`` per 32 consecutive inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_table(dtype=torch.float32, device=None) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2] -> uint8 codes [..., n]; low nibble is the even element."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"weight_packed must be uint8, got {packed.dtype}")
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., n] (n even, values 0..15) -> packed uint8 [..., n/2]."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"the packed dimension must be even, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    if bool((c > 15).any()):
+        raise ValueError("E2M1 codes must lie in 0..15")
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """Reference dequant: ``W[o, j] = e2m1(code[o, j]) * 2**(scale[o, j // 32] - 127)``.
+
+    Works on any leading batch dims (e.g. ``[E, out, in/2]``). Exact in fp32; the result is cast to
+    ``dtype`` (every product of an E2M1 value and a power of two is exact in bf16 within its range).
+    """
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"weight_scale must be uint8 (E8M0), got {scale.dtype}")
+    n_in = packed.shape[-1] * 2
+    if scale.shape[-1] * GROUP != n_in or scale.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not match weight_packed "
+                         f"{tuple(packed.shape)} (expected [..., in/{GROUP}] = [..., {n_in // GROUP}])")
+    vals = e2m1_table(device=packed.device)[unpack_codes(packed).long()]
+    mult = torch.exp2(scale.float() - 127.0)
+    w = vals.unflatten(-1, (n_in // GROUP, GROUP)) * mult[..., None]
+    return w.flatten(-2).to(dtype)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest MXFP4 quantization of ``w [..., out, in]`` -> (weight_packed, weight_scale).
+
+    The scale of each group of 32 is the smallest power of two that makes the group's absmax fit 6.0.
+    Used to write random checkpoints; it is not meant to match any particular training recipe.
+    """
+    wf = w.float()
+    n_in = wf.shape[-1]
+    if n_in % GROUP:
+        raise ValueError(f"input dimension {n_in} is not a multiple of {GROUP}")
+    g = wf.unflatten(-1, (n_in // GROUP, GROUP))
+    amax = g.abs().amax(-1).clamp_min(2.0 ** -126)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scale = (e + 127).to(torch.uint8)
+    x = g / torch.exp2(e)[..., None]
+    mags = e2m1_table()[:8]
+    idx = (x.abs()[..., None] - mags).abs().argmin(-1)
+    codes = idx + 8 * (x < 0).long()
+    codes = torch.where(idx == 0, torch.zeros_like(codes), codes)  # no negative zero
+    return pack_codes(codes.flatten(-2)), scale

@@ -1,0 +1,1 @@
+"""CuTe DSL kernel templates (rendered per bucket, TP size and arch)."""
