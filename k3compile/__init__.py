@@ -5,3 +5,7 @@ sources and packages, and pass-diff inspection (``k3compile diff``).
 """
 
 __version__ = "0.1.0"
+
+from .compiler import BucketError, CompiledDecode, Options, compile  # noqa: E402
+
+__all__ = ["BucketError", "CompiledDecode", "Options", "compile", "__version__"]

@@ -33,9 +33,9 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., n] (n even, values 0..15) -> packed uint8 [..., n/2]."""
     if codes.shape[-1] % 2:
         raise ValueError(f"the packed dimension must be even, got {codes.shape[-1]}")
-    c = codes.to(torch.uint8)
-    if bool((c > 15).any()):
+    if bool(((codes < 0) | (codes > 15)).any()):  # check before the uint8 cast wraps e.g. 256 to 0
         raise ValueError("E2M1 codes must lie in 0..15")
+    c = codes.to(torch.uint8)
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
@@ -52,8 +52,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) 
         raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not match weight_packed "
                          f"{tuple(packed.shape)} (expected [..., in/{GROUP}] = [..., {n_in // GROUP}])")
     vals = e2m1_table(device=packed.device)[unpack_codes(packed).long()]
-    mult = torch.exp2(scale.float() - 127.0)
-    w = vals.unflatten(-1, (n_in // GROUP, GROUP)) * mult[..., None]
+    # 2**(e-127) applied as two powers of two, each finite in fp32: a single factor overflows for
+    # e = 255 (2**128), which turned code 0 into NaN and 0.5 * 2**128 = 2**127 into inf. Both
+    # products are exact, so every representable result is exact.
+    ex = scale.float() - 127.0
+    half = torch.floor(ex / 2)
+    w = vals.unflatten(-1, (n_in // GROUP, GROUP)) * torch.exp2(half)[..., None] * torch.exp2(ex - half)[..., None]
     return w.flatten(-2).to(dtype)
 
 

@@ -82,10 +82,11 @@ def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     w1 = dequantize(w1_packed[ids], w1_scale[ids], dt)  # [B, k, I, L]
     w3 = dequantize(w3_packed[ids], w3_scale[ids], dt)
     w2 = dequantize(w2_packed[ids], w2_scale[ids], dt)  # [B, k, L, I]
-    gate = torch.einsum("bl,bkil->bki", z, w1)
-    up = torch.einsum("bl,bkil->bki", z, w3)
+    zb = z[:, None, None, :]  # [B, 1, 1, L]
+    gate = torch.matmul(zb, w1.transpose(-1, -2))[..., 0, :]  # [B, k, I]
+    up = torch.matmul(zb, w3.transpose(-1, -2))[..., 0, :]
     h = situ_glu(gate, up, beta, linear_beta)
-    y = torch.einsum("bki,bkli->bkl", h, w2)  # [B, k, L]
+    y = torch.matmul(h[..., None, :], w2.transpose(-1, -2))[..., 0, :]  # [B, k, L]
     return (y.float() * weights[..., None].float()).sum(1).to(dt)
 
 
@@ -125,9 +126,9 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         torch.exp(a_log.float())[None, :, None] * (f.float().view(B, H, D) + dt_bias.float().view(H, D)))
     beta = torch.sigmoid(beta_logits.float())  # [B, H], one scalar per head
     state = recurrent_state * torch.exp(gate)[..., None]  # decay first, rows = key index
-    u = vh - torch.einsum("bhkv,bhk->bhv", state, kh)
+    u = vh - torch.matmul(kh[..., None, :], state)[..., 0, :]  # v - S^T k
     state = state + beta[..., None, None] * kh[..., :, None] * u[..., None, :]
-    o = torch.einsum("bhkv,bhk->bhv", state, qh)
+    o = torch.matmul(qh[..., None, :], state)[..., 0, :]  # S^T q
     # Gated per-head RMSNorm: one [D] weight shared by all heads; sigmoid of the raw g projection.
     on = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * o_norm_weight.float()
     y = on * torch.sigmoid(g.float().view(B, H, D))
@@ -152,19 +153,19 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, gate: torch.Tensor, cache:
     q_nope, q_pe = qh[..., :nope_dim], qh[..., nope_dim:]
     wkv = kv_b_weight.float().view(H, nope_dim + v_dim, C)
     w_uk, w_uv = wkv[:, :nope_dim], wkv[:, nope_dim:]
-    ql = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # absorbed query in latent space
+    ql = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # absorbed query in latent space [B, H, C]
     Lmax = cache.shape[1]
     pos = torch.arange(Lmax, device=cache.device)
     # Keys/values: the cached rows, with the current token placed at its own position.
     is_cur = pos[None, :] == lengths[:, None]  # [B, Lmax]
     kv = torch.where(is_cur[..., None], latent[:, None, :].to(cache.dtype), cache).float()
     c, k_pe = kv[..., :C], kv[..., C:]
-    s = (torch.einsum("bhc,bsc->bhs", ql, c) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)) * scale
+    s = (torch.matmul(ql, c.transpose(1, 2)) + torch.matmul(q_pe, k_pe.transpose(1, 2))) * scale  # [B, H, Lmax]
     valid = pos[None, :] <= lengths[:, None]
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    ol = torch.einsum("bhs,bsc->bhc", p, c)
-    o = torch.einsum("bhc,hvc->bhv", ol, w_uv).reshape(B, H * v_dim)
+    ol = torch.matmul(p, c)  # [B, H, C]
+    o = torch.matmul(ol[..., None, :], w_uv.transpose(1, 2))[..., 0, :].reshape(B, H * v_dim)
     return (o * torch.sigmoid(gate.float())).to(q.dtype)
 
 

@@ -1,0 +1,149 @@
+"""Capture: the eager decode step as one FX graph with a symbolic batch size.
+
+TorchDynamo traces ``model.decode`` (``fullgraph=True``: a graph break is an error that names the
+source line, never a silent split). The batch dimension of ``token_ids`` is a sympy symbol, and
+size-oblivious reasoning keeps batch 1 from being specialised, so one capture serves every bucket.
+
+The semantic functions of :mod:`k3compile.models.ops` are kept as single call nodes
+(``allow_in_graph``), so lifting maps whole K3 operations instead of pattern-matching aten
+decompositions. Weights and the decode state become graph inputs; every in-place state update
+(``copy_``, ``index_put_``) is an explicit node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+from typing import Any
+
+import torch
+import torch.fx
+
+from k3compile.models import ops as ref
+from k3compile.models.model import DecodeState, K3Model
+
+# Model function -> dialect op name. The only place that knows how the eager model names its operations.
+SEMANTIC_FUNCTIONS = {
+    ref.rms_norm: "rms_norm",
+    ref.attn_res: "attn_res",
+    ref.situ_glu: "situ_glu",
+    ref.mxfp4_linear: "linear_mxfp4",
+    ref.moe_route: "moe_route",
+    ref.latent_moe_experts: "latent_moe_experts",
+    ref.kda_decode: "kda_decode",
+    ref.mla_decode: "mla_decode",
+    ref.lm_head: "lm_head",
+}
+for _fn in SEMANTIC_FUNCTIONS:
+    torch._dynamo.allow_in_graph(_fn)
+
+
+class CaptureError(RuntimeError):
+    """The decode step could not be traced as one graph; the message names the source location."""
+
+
+@dataclasses.dataclass
+class InputInfo:
+    """What one placeholder of the captured graph is."""
+
+    kind: str  # "token_ids" | "state" | "weight" | "symint"
+    name: str  # placeholder name
+    label: str  # readable: parameter name, state slot, ...
+
+
+@dataclasses.dataclass
+class Captured:
+    graph_module: torch.fx.GraphModule
+    inputs: list[InputInfo]
+    batch_symbol: Any  # sympy.Symbol of the batch dimension
+    tp_size: int
+    guards: int  # number of Dynamo guards (for reports)
+
+    def weight_inputs(self) -> set[str]:
+        return {i.name for i in self.inputs if i.kind == "weight"}
+
+
+@contextlib.contextmanager
+def symbolic_batch():
+    """Treat sizes 0/1 like any other size (no specialisation of batch 1)."""
+    import torch.fx.experimental._config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
+def mark_batch_dynamic(token_ids: torch.Tensor) -> None:
+    torch._dynamo.mark_dynamic(token_ids, 0)
+
+
+def _weight_label(name: str) -> str:
+    body = name[len("l_self_"):] if name.startswith("l_self_") else name
+    for sep in ("modules_", "_modules_", "_parameters_", "_buffers_"):
+        body = body.replace(sep, ".") if sep != "modules_" else (body[len(sep):] if body.startswith(sep) else body)
+    return body.rstrip("_")
+
+
+def classify_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[InputInfo]:
+    """Role of every placeholder, from Dynamo's source-derived names: module parameters/buffers are
+    static weights, ``token_ids`` is the step input, every other tensor is decode state."""
+    out = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, val in zip(placeholders, example_inputs):
+        name = node.name
+        if not isinstance(val, torch.Tensor):
+            out.append(InputInfo("symint", name, str(val)))
+        elif "_parameters_" in name or "_buffers_" in name:
+            out.append(InputInfo("weight", name, _weight_label(name)))
+        elif "token_ids" in name:
+            out.append(InputInfo("token_ids", name, "token_ids"))
+        else:
+            out.append(InputInfo("state", name, name.removeprefix("l_state_").rstrip("_")))
+    if sum(i.kind == "token_ids" for i in out) != 1:
+        raise CaptureError("the captured graph has no single token_ids input; was model.decode(token_ids, state) "
+                           "the function compiled?")
+    return out
+
+
+def _location(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/models/" in f.filename.replace("\\", "/")]
+    real = getattr(exc, "real_stack", None)
+    if real:
+        frames = list(real) + frames
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} ({f.name}): {f.line}"
+
+
+def capture(model: K3Model, *, example_batch: int = 2, max_context: int = 16) -> Captured:
+    """Trace ``model.decode`` once with a symbolic batch size; return the Dynamo FX graph and input roles."""
+    state = model.new_state(max(example_batch, 1), max_context)
+    token_ids = torch.zeros(example_batch, dtype=torch.long, device=model.device)
+    holder: dict[str, Any] = {}
+
+    def grab(gm, example_inputs):
+        holder["gm"], holder["inputs"] = gm, example_inputs
+        return gm.forward
+
+    mark_batch_dynamic(token_ids)
+    compiled = torch.compile(model.decode, backend=grab, fullgraph=True)
+    try:
+        with symbolic_batch(), torch.no_grad():
+            compiled(token_ids, state)
+    except Exception as e:  # Dynamo's Unsupported/UserError/TorchRuntimeError and friends
+        loc = _location(e)
+        msg = str(e).strip().splitlines()
+        raise CaptureError(f"cannot capture model.decode as one graph (graph break or untraceable construct)"
+                           f"{' at ' + loc if loc else ''}: {msg[0] if msg else type(e).__name__}\n"
+                           + "\n".join(msg[1:20])) from e
+    finally:
+        torch._dynamo.reset()
+    gm = holder["gm"]
+    inputs = classify_inputs(gm, holder["inputs"])
+    tok = next(n for n, i in zip(gm.graph.nodes, inputs) if i.kind == "token_ids")
+    batch = tok.meta["example_value"].shape[0]
+    sym = batch.node.expr if isinstance(batch, torch.SymInt) else None
+    if sym is None:
+        raise CaptureError("the batch dimension was specialised during capture; k3compile needs it symbolic")
+    return Captured(gm, inputs, sym, model.tp.size, guards=0)

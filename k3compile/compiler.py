@@ -1,0 +1,220 @@
+"""The driver: a captured decode graph -> one lowered graph per batch bucket -> a dispatcher.
+
+Used by the ``torch.compile`` backend (``backend.py``), the explicit :func:`compile` API and the CLI.
+Buckets are the compile key, not Dynamo guards: one capture with a symbolic batch, one pipeline run
+per declared bucket, dispatch by a dict lookup at call time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from .capture import InputInfo, classify_inputs, mark_batch_dynamic, symbolic_batch
+from .pipeline import PassContext, copy_graph_module
+from .pipeline_table import build_pipeline
+
+log = logging.getLogger("k3compile")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SUPPORTED_TP = (1, 2, 4, 8, 16)
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+
+
+class BucketError(ValueError):
+    """A batch that no declared bucket holds (and eager fallback was not asked for)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    dump_dir: str | None = None  # write NN_<pass>.{before.py,after.py,diff} per bucket
+    passes: dict = dataclasses.field(default_factory=dict)  # per-pass config overrides
+    eager_fallback: bool = False  # batch above the largest bucket: run eager (logged) instead of raising
+    arch: str | None = None
+
+    @classmethod
+    def make(cls, options: "Options | dict | None" = None, **kw) -> "Options":
+        if isinstance(options, Options):
+            base = dataclasses.asdict(options)
+        else:
+            base = dict(options or {})
+        base.update({k: v for k, v in kw.items() if v is not None})
+        unknown = set(base) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown k3compile option(s) {sorted(unknown)}; "
+                            f"known: {[f.name for f in dataclasses.fields(cls)]}")
+        if "buckets" in base:
+            base["buckets"] = check_buckets(base["buckets"])
+        if base.get("arch") not in (None, *SUPPORTED_ARCHS):
+            raise ValueError(f"unsupported arch {base['arch']!r}; k3compile targets {list(SUPPORTED_ARCHS)}")
+        return cls(**base)
+
+
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    b = tuple(sorted({int(x) for x in buckets}))
+    if not b or b[0] < 1:
+        raise BucketError(f"buckets must be positive batch sizes, got {list(buckets)}")
+    return b
+
+
+def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``batch`` (None if above the largest)."""
+    for b in buckets:
+        if batch <= b:
+            return b
+    return None
+
+
+def check_tp(tp_size: int) -> None:
+    if tp_size not in SUPPORTED_TP:
+        raise ValueError(f"unsupported TP size {tp_size}; k3compile supports {list(SUPPORTED_TP)}")
+
+
+def lower(gm: torch.fx.GraphModule, inputs: list[InputInfo], *, tp_size: int, bucket: int,
+          options: Options, batch_symbol=None) -> torch.fx.GraphModule:
+    """Run the pipeline on a copy of the captured graph for one (bucket, TP) point."""
+    work = copy_graph_module(gm)
+    work.meta["k3_inputs"] = inputs
+    dump = None
+    if options.dump_dir:
+        import os
+        dump = os.path.join(options.dump_dir, f"tp{tp_size}_bucket{bucket}")
+    ctx = PassContext(bucket=bucket, tp_size=tp_size, inputs=inputs, batch_symbol=batch_symbol, dump_dir=dump)
+    build_pipeline(options.passes).run(work, ctx)
+    return work
+
+
+class BucketDispatcher:
+    """What the backend hands back to Dynamo: picks the lowered graph of the batch's bucket.
+
+    On a machine without a CUDA device the lowered graph runs through the dialect's eager
+    implementations (the CPU path); the GPU runtime replaces this with kernel launches.
+    """
+
+    def __init__(self, graphs: dict[int, torch.fx.GraphModule], token_index: int, options: Options,
+                 fallback=None):
+        self.graphs = graphs
+        self.buckets = tuple(sorted(graphs))
+        self.token_index = token_index
+        self.options = options
+        self.fallback = fallback
+        self.calls: dict[int, int] = {b: 0 for b in self.buckets}
+
+    def __call__(self, *args):
+        batch = args[self.token_index].shape[0]
+        bucket = bucket_for(batch, self.buckets)
+        if bucket is None:
+            if self.options.eager_fallback and self.fallback is not None:
+                log.warning("k3compile: batch %d is above the largest bucket %d; running eager (eager_fallback)",
+                            batch, self.buckets[-1])
+                return self.fallback(*args)
+            raise BucketError(f"batch {batch} is above the largest compiled bucket {self.buckets[-1]}; compile with "
+                              f"buckets=(..., {max(batch, 2 * self.buckets[-1])}) or options eager_fallback=True")
+        self.calls[bucket] += 1
+        return self.graphs[bucket](*args)
+
+
+_CPU_NOTICE = [False]
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp_size: int | None = None):
+    """Backend entry: classify the inputs, lower for every bucket, return the dispatcher."""
+    inputs = classify_inputs(gm, example_inputs)
+    if tp_size is None:
+        tp_size = _infer_tp(gm)
+    check_tp(tp_size)
+    token_index = next(i for i, info in enumerate(inputs) if info.kind == "token_ids")
+    tok = example_inputs[token_index]
+    sym = None
+    tok_node = [n for n in gm.graph.nodes if n.op == "placeholder"][token_index]
+    ev = tok_node.meta.get("example_value")
+    if ev is not None and isinstance(ev.shape[0], torch.SymInt):
+        sym = ev.shape[0].node.expr
+    buckets = options.buckets
+    if sym is None:
+        # Dynamo specialised the batch: this graph only ever sees this one batch size.
+        b = bucket_for(tok.shape[0], buckets)
+        if b is None:
+            raise BucketError(f"batch {tok.shape[0]} is above the largest bucket {buckets[-1]}")
+        log.info("k3compile: batch specialised to %d by Dynamo; use k3compile.compile(model) (or "
+                 "torch._dynamo.mark_dynamic(token_ids, 0)) for one graph serving every bucket", tok.shape[0])
+        buckets = (b,)
+    graphs = {b: lower(gm, inputs, tp_size=tp_size, bucket=b, options=options, batch_symbol=sym) for b in buckets}
+    if not torch.cuda.is_available() and not _CPU_NOTICE[0]:
+        log.warning("k3compile: no CUDA device; running the lowered graph through the K3 dialect's eager "
+                    "implementations on the CPU")
+        _CPU_NOTICE[0] = True
+    return BucketDispatcher(graphs, token_index, options, fallback=gm.forward)
+
+
+def _infer_tp(gm: torch.fx.GraphModule) -> int:
+    has_collective = any("c10d" in str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    if not has_collective:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+class CompiledDecode:
+    """``k3compile.compile(model)``: call it like ``model.decode(token_ids, state)``.
+
+    Every batch size up to the largest bucket runs without Dynamo recompiling: the batch dimension is
+    marked dynamic and sizes 0/1 are not specialised.
+    """
+
+    def __init__(self, model, options: Options):
+        self.model = model
+        self.options = options
+        self.dispatchers: list[BucketDispatcher] = []
+
+        def backend(gm, example_inputs, **_):
+            d = compile_graph(gm, example_inputs, options, tp_size=model.tp.size)
+            self.dispatchers.append(d)
+            return d
+
+        self._compiled = torch.compile(model.decode, backend=backend, fullgraph=True)
+
+    def __call__(self, token_ids: torch.Tensor, state) -> torch.Tensor:
+        B = token_ids.shape[0]
+        if bucket_for(B, self.options.buckets) is None:
+            if self.options.eager_fallback:
+                log.warning("k3compile: batch %d above the largest bucket %d; running eager (eager_fallback)",
+                            B, self.options.buckets[-1])
+                return self.model.decode(token_ids, state)
+            raise BucketError(f"batch {B} is above the largest compiled bucket {self.options.buckets[-1]}; compile "
+                              f"with buckets=(..., {max(B, 2 * self.options.buckets[-1])}) or eager_fallback=True")
+        mark_batch_dynamic(token_ids)
+        for t in state.tensors():  # a state of another capacity must not recompile either
+            torch._dynamo.mark_dynamic(t, 0)
+        with symbolic_batch():
+            return self._compiled(token_ids, state)
+
+    @property
+    def graphs(self) -> dict[int, torch.fx.GraphModule]:
+        if not self.dispatchers:
+            raise RuntimeError("nothing compiled yet: call the compiled decode once")
+        return self.dispatchers[-1].graphs
+
+
+def compile(model, *, tp: int | None = None, buckets: Sequence[int] = DEFAULT_BUCKETS, arch: str | None = None,
+            options: dict | Options | None = None) -> CompiledDecode:
+    """Compile ``model.decode`` for the given buckets. ``tp`` must match the model's TP size."""
+    tp_size = model.tp.size
+    if tp is not None and tp != tp_size:
+        raise ValueError(f"tp={tp} but the model was built for tp_size={tp_size}; load it with "
+                         f"load_pretrained(..., tp_rank=r, tp_size={tp})")
+    check_tp(tp_size)
+    model.config.check_tp(tp_size)
+    opts = Options.make(options, buckets=tuple(buckets), arch=arch)
+    return CompiledDecode(model, opts)
+
+
+def describe(records) -> str:
+    return "\n".join(r.summary() for r in records)
+
