@@ -58,7 +58,6 @@ class Captured:
     inputs: list[InputInfo]
     batch_symbol: Any  # sympy.Symbol of the batch dimension
     tp_size: int
-    guards: int  # number of Dynamo guards (for reports)
 
     def weight_inputs(self) -> set[str]:
         return {i.name for i in self.inputs if i.kind == "weight"}
@@ -116,21 +115,34 @@ def _location(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno} ({f.name}): {f.line}"
 
 
+class _Captured(Exception):
+    """Raised by the capturing backend instead of running the graph: capture never executes the step."""
+
+
 def capture(model: K3Model, *, example_batch: int = 2, max_context: int = 16) -> Captured:
-    """Trace ``model.decode`` once with a symbolic batch size; return the Dynamo FX graph and input roles."""
+    """Trace ``model.decode`` once with a symbolic batch size; return the Dynamo FX graph and input roles.
+
+    The step is traced, not run: ``model`` may live on the ``meta`` device (no weights in memory).
+    """
     state = model.new_state(max(example_batch, 1), max_context)
     token_ids = torch.zeros(example_batch, dtype=torch.long, device=model.device)
     holder: dict[str, Any] = {}
 
     def grab(gm, example_inputs):
         holder["gm"], holder["inputs"] = gm, example_inputs
-        return gm.forward
+
+        def do_not_run(*args):
+            raise _Captured
+
+        return do_not_run
 
     mark_batch_dynamic(token_ids)
     compiled = torch.compile(model.decode, backend=grab, fullgraph=True)
     try:
         with symbolic_batch(), torch.no_grad():
             compiled(token_ids, state)
+    except _Captured:
+        pass
     except Exception as e:  # Dynamo's Unsupported/UserError/TorchRuntimeError and friends
         loc = _location(e)
         msg = str(e).strip().splitlines()
@@ -139,11 +151,45 @@ def capture(model: K3Model, *, example_batch: int = 2, max_context: int = 16) ->
                            + "\n".join(msg[1:20])) from e
     finally:
         torch._dynamo.reset()
+    if "gm" not in holder:
+        raise CaptureError("Dynamo produced no graph for model.decode")
     gm = holder["gm"]
     inputs = classify_inputs(gm, holder["inputs"])
+    gm.meta["k3_inputs"] = inputs
     tok = next(n for n, i in zip(gm.graph.nodes, inputs) if i.kind == "token_ids")
     batch = tok.meta["example_value"].shape[0]
     sym = batch.node.expr if isinstance(batch, torch.SymInt) else None
     if sym is None:
         raise CaptureError("the batch dimension was specialised during capture; k3compile needs it symbolic")
-    return Captured(gm, inputs, sym, model.tp.size, guards=0)
+    return Captured(gm, inputs, sym, model.tp.size)
+
+
+@contextlib.contextmanager
+def tp_world(tp_size: int):
+    """A process group for tracing a TP model in one process: the real one if initialised (its size must
+    match), otherwise PyTorch's fake process group (collectives are traced, never executed)."""
+    import torch.distributed as dist
+
+    if tp_size == 1:
+        yield
+        return
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() != tp_size:
+            raise ValueError(f"torch.distributed world size {dist.get_world_size()} != tp_size {tp_size}")
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def capture_config(config, *, tp_size: int = 1, tp_rank: int = 0, example_batch: int = 2) -> Captured:
+    """Capture the decode step of ``config`` at TP ``tp_size`` with weights on the meta device."""
+    config.check_tp(tp_size)
+    model = K3Model(config, device="meta", tp_rank=tp_rank, tp_size=tp_size)
+    with tp_world(tp_size):
+        return capture(model, example_batch=example_batch)

@@ -76,28 +76,36 @@ def input_labels(gm: torch.fx.GraphModule) -> dict[str, str]:
     return labels
 
 
-def graph_text(gm: torch.fx.GraphModule) -> str:
+def graph_lines(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """(line, provenance) per line of :func:`graph_text`; provenance lists the captured nodes a node
+    stands for (empty for lines that are not nodes or were never rewritten)."""
     labels = input_labels(gm)
-    lines = []
     n_inputs = {"weight": 0, "state": 0}
     for info in gm.meta.get("k3_inputs", []):
         if info.kind in n_inputs:
             n_inputs[info.kind] += 1
-    lines.append(f"# inputs: token_ids, {n_inputs['state']} state tensors, {n_inputs['weight']} weights")
+    out = [(f"# inputs: token_ids, {n_inputs['state']} state tensors, {n_inputs['weight']} weights", "")]
     syms = [n.name for n in gm.graph.nodes if n.op == "placeholder" and not isinstance(node_value(n), torch.Tensor)]
     if syms:
-        lines.append(f"# symbolic sizes: {', '.join(syms)}")
+        out.append((f"# symbolic sizes: {', '.join(syms)}", ""))
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if node.name in syms or labels.get(node.name, "").startswith(("W[", "S[")):
                 continue  # sizes are listed above; weights and state are named where they are used
-            lines.append(f"input {labels.get(node.name, node.name)}: {_val_str(node_value(node))}")
+            out.append((f"input {labels.get(node.name, node.name)}: {_val_str(node_value(node))}", ""))
             continue
         if node.op == "output":
-            lines.append(f"return {_arg_str(node.args[0], labels)}")
+            out.append((f"return {_arg_str(node.args[0], labels)}", ""))
             continue
         args = [_arg_str(a, labels) for a in node.args]
         args += [f"{k}={_arg_str(v, labels)}" for k, v in node.kwargs.items()]
         shape = _val_str(node_value(node))
-        lines.append(f"{node.name} = {target_str(node)}({', '.join(args)})" + (f"  # {shape}" if shape else ""))
-    return "\n".join(lines) + "\n"
+        line = f"{node.name} = {target_str(node)}({', '.join(args)})" + (f"  # {shape}" if shape else "")
+        prov = node.meta.get("k3_provenance")
+        by = node.meta.get("k3_created_by")
+        out.append((line, (f"{by}: " if by else "") + " <- ".join(prov) if prov else ""))
+    return out
+
+
+def graph_text(gm: torch.fx.GraphModule) -> str:
+    return "\n".join(line for line, _ in graph_lines(gm)) + "\n"

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from .graph_text import graph_text
+from .graph_text import graph_lines
 
 
 class Stage(enum.IntEnum):
@@ -87,6 +87,8 @@ class PassRecord:
     notes: str = ""
     before: str = field(default="", repr=False)
     after: str = field(default="", repr=False)
+    before_provenance: list = field(default_factory=list, repr=False)  # one entry per line of `before`
+    after_provenance: list = field(default_factory=list, repr=False)
 
     def diff(self) -> str:
         return "".join(difflib.unified_diff(self.before.splitlines(True), self.after.splitlines(True),
@@ -155,8 +157,10 @@ class K3Pass:
         rec = PassRecord(index=index, name=self.name, stage=self.stage.name, uuid=self.uuid(), bucket=ctx.bucket,
                          applied=False)
         ok, why = self.applies_to(ctx.bucket)
-        before = graph_text(gm)
+        lines = graph_lines(gm)
+        before = "".join(line + "\n" for line, _ in lines)
         rec.before = rec.after = before
+        rec.before_provenance = rec.after_provenance = [p for _, p in lines]
         if not ok:
             rec.notes = why
             return rec
@@ -173,7 +177,9 @@ class K3Pass:
         rec.match_count = result.match_count
         rec.nodes_added = len(nodes_after - nodes_before.keys())
         rec.nodes_removed = len(nodes_before.keys() - nodes_after)
-        rec.after = graph_text(gm)
+        lines = graph_lines(gm)
+        rec.after = "".join(line + "\n" for line, _ in lines)
+        rec.after_provenance = [p for _, p in lines]
         rec.changed = result.changed or rec.after != before
         rec.notes = result.notes
         return rec

@@ -240,7 +240,7 @@ def load_pretrained(path, *, dtype: torch.dtype = torch.bfloat16, device="cpu", 
                 handles[fname] = safe_open(fname, "pt", device="cpu")
             sl = handles[fname].get_slice(sname)
             shape = tuple(sl.get_shape())
-            if shape != spec.shape:
+            if shape != spec.shape and not _a_log_shape_ok(spec, shape, config):
                 raise CheckpointError(f"tensor '{spec.name}' has shape {list(shape)} in {os.path.basename(fname)}, "
                                       f"expected {list(spec.shape)} for this config.json")
             if spec.dtype == torch.uint8 and sl.get_dtype() != "U8":
@@ -264,9 +264,18 @@ def load_pretrained(path, *, dtype: torch.dtype = torch.bfloat16, device="cpu", 
     return model.eval()
 
 
+def _a_log_shape_ok(spec: Spec, shape: tuple, cfg: K3Config) -> bool:
+    """A_log may be stored padded ([128] for K3's 96 heads) whatever config.json says: the released
+    config has no field for the padding. vLLM also accepts an old (1, 1, H, 1) form (§1.4)."""
+    if not spec.name.endswith("self_attn.A_log"):
+        return False
+    H = cfg.kda_num_heads
+    return (len(shape) == 1 and shape[0] >= H) or shape == (1, 1, H, 1)
+
+
 def _read_shard(sl, spec: Spec, cfg: K3Config, tp: TPInfo) -> torch.Tensor:
     if spec.name.endswith("self_attn.A_log"):
-        full = sl[:][: cfg.kda_num_heads]  # stored padded; only the first `heads` entries are real
+        full = sl[:].reshape(-1)[: cfg.kda_num_heads]  # stored padded; only the first `heads` entries are real
         return full[tp.shard(cfg.kda_num_heads)]
     if spec.shard_dim is None or tp.size == 1:
         return sl[:]

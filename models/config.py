@@ -142,8 +142,15 @@ class K3Config:
 
     def check_tp(self, tp_size: int) -> None:
         """Raise a clear error if ``tp_size`` does not shard this model evenly."""
+        problem = self._tp_problem(tp_size)
+        if problem:
+            raise ConfigError(f"{problem}; use a tp_size among {self.valid_tp_sizes()}")
+
+    def _tp_problem(self, tp_size: int) -> str | None:
+        """Why ``tp_size`` does not shard this model evenly, or None. (Never raises, so that
+        ``valid_tp_sizes`` can call it while ``check_tp`` formats its message.)"""
         if tp_size < 1:
-            raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+            return f"tp_size must be >= 1, got {tp_size}"
         checks = [
             ("linear_attn_config.num_heads (KDA heads)", self.kda_num_heads, 1),
             ("num_attention_heads (MLA heads)", self.num_attention_heads, 1),
@@ -155,20 +162,12 @@ class K3Config:
         ]
         for what, size, unit in checks:
             if size % (tp_size * unit):
-                raise ConfigError(
-                    f"tp_size={tp_size} does not divide {what}={size}"
-                    + (f" into multiples of {unit}" if unit > 1 else "")
-                    + f"; use a tp_size among {self.valid_tp_sizes()}")
+                return (f"tp_size={tp_size} does not divide {what}={size}"
+                        + (f" into multiples of {unit}" if unit > 1 else ""))
+        return None
 
     def valid_tp_sizes(self, candidates=(1, 2, 4, 8, 16)) -> list[int]:
-        ok = []
-        for t in candidates:
-            try:
-                self.check_tp(t)
-            except ConfigError:
-                continue
-            ok.append(t)
-        return ok
+        return [t for t in candidates if self._tp_problem(t) is None]
 
     # ------------------------------------------------------------------ json
     def to_dict(self) -> dict[str, Any]:

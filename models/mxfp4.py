@@ -20,6 +20,18 @@ def e2m1_table(dtype=torch.float32, device=None) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of each E2M1 code (0..15), from its bits: sign | 2-bit exponent | 1-bit mantissa.
+
+    Computed arithmetically (no lookup-table constant) so it also runs on meta/fake tensors.
+    """
+    c = codes.to(torch.int32)
+    exp = ((c >> 1) & 3).float()
+    man = (c & 1).float()
+    mag = torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1) * (1 + 0.5 * man))
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n/2] -> uint8 codes [..., n]; low nibble is the even element."""
     if packed.dtype != torch.uint8:
@@ -51,7 +63,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) 
     if scale.shape[-1] * GROUP != n_in or scale.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not match weight_packed "
                          f"{tuple(packed.shape)} (expected [..., in/{GROUP}] = [..., {n_in // GROUP}])")
-    vals = e2m1_table(device=packed.device)[unpack_codes(packed).long()]
+    vals = e2m1_values(unpack_codes(packed))
     # 2**(e-127) applied as two powers of two, each finite in fp32: a single factor overflows for
     # e = 255 (2**128), which turned code 0 into NaN and 0.5 * 2**128 = 2**127 into inf. Both
     # products are exact, so every representable result is exact.
