@@ -63,7 +63,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) 
     if scale.shape[-1] * GROUP != n_in or scale.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not match weight_packed "
                          f"{tuple(packed.shape)} (expected [..., in/{GROUP}] = [..., {n_in // GROUP}])")
-    vals = e2m1_values(unpack_codes(packed))
+    table = e2m1_values(torch.arange(16, device=packed.device))  # built per call: also works on fake tensors
+    vals = table[unpack_codes(packed).long()]
     # 2**(e-127) applied as two powers of two, each finite in fp32: a single factor overflows for
     # e = 255 (2**128), which turned code 0 into NaN and 0.5 * 2**128 = 2**127 into inf. Both
     # products are exact, so every representable result is exact.

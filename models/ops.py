@@ -66,6 +66,12 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, score_bias: torch.Te
     return weights * scaling_factor, ids
 
 
+# Below this many expert weights (all experts, w1+w2+w3), the routed experts are evaluated densely: every
+# expert on every token, unselected ones weighted by exactly 0. It is a function of the weights' static
+# shapes only (never of the batch), and much faster on a CPU for small models like k3-mini.
+DENSE_EXPERTS_MAX_WEIGHTS = 1 << 24
+
+
 def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        w1_packed: torch.Tensor, w1_scale: torch.Tensor,
                        w3_packed: torch.Tensor, w3_scale: torch.Tensor,
@@ -79,6 +85,17 @@ def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     the result is a partial sum.
     """
     dt = z.dtype
+    E, I, half_l = w1_packed.shape
+    if 3 * E * I * half_l * 2 <= DENSE_EXPERTS_MAX_WEIGHTS:
+        w1 = dequantize(w1_packed, w1_scale, dt)  # [E, I, L]
+        w3 = dequantize(w3_packed, w3_scale, dt)
+        w2 = dequantize(w2_packed, w2_scale, dt)  # [E, L, I]
+        gate = torch.matmul(z[None], w1.transpose(1, 2))  # [E, B, I]
+        up = torch.matmul(z[None], w3.transpose(1, 2))
+        y = torch.matmul(situ_glu(gate, up, beta, linear_beta), w2.transpose(1, 2))  # [E, B, L]
+        dense_w = torch.zeros(z.shape[0], E, dtype=torch.float32, device=z.device)
+        dense_w = dense_w.scatter(1, ids, weights.float())  # [B, E]: 0 for experts a token did not pick
+        return (y.float() * dense_w.t()[..., None]).sum(0).to(dt)
     w1 = dequantize(w1_packed[ids], w1_scale[ids], dt)  # [B, k, I, L]
     w3 = dequantize(w3_packed[ids], w3_scale[ids], dt)
     w2 = dequantize(w2_packed[ids], w2_scale[ids], dt)  # [B, k, L, I]

@@ -1,0 +1,76 @@
+"""The k3compile command line: --help/--version, `diff` text and HTML, errors for bad input."""
+
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+from k3compile import __version__
+from k3compile.cli import main
+from k3compile.pipeline_table import default_passes
+
+VOID = {"meta", "col", "br", "img", "input", "link", "hr"}
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "k3compile.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_help_and_version():
+    r = run("--help")
+    assert r.returncode == 0 and "diff" in r.stdout
+    r = run("--version")
+    assert r.returncode == 0 and __version__ in r.stdout
+
+
+class _Checker(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.stack, self.sections, self.titles, self.errors = [], [], 0, []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section":
+            self.sections.append(a.get("data-pass"))
+        if tag == "td" and "title" in a:
+            self.titles += 1
+        if tag in ("script", "link") and (a.get("src") or a.get("href")):
+            self.errors.append(f"external resource {a}")
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"unbalanced </{tag}> (open: {self.stack[-3:]})")
+        else:
+            self.stack.pop()
+
+
+def test_diff_one_pass_and_html(tmp_path, capsys):
+    html_path = tmp_path / "diff.html"
+    rc = main(["diff", "--config", "k3_mini", "--tp", "2", "--bucket", "1", "--pass", "fuse_attn_res_norm",
+               "--html", str(html_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("=== 03 fuse_attn_res_norm") and "matches=25" in lines[0]
+    assert "+25/-50 nodes" in lines[0]
+    assert lines[1] == "--- 03_fuse_attn_res_norm.before.py" and lines[2] == "+++ 03_fuse_attn_res_norm.after.py"
+    assert "lift_dialect" not in out  # only the pass asked for
+    assert any(l.startswith("-h2 = k3.attn_res(tp_all_reduce") for l in lines)  # TP2: inputs are all-reduced
+    assert any(l.startswith("+attn_res_rms_norm") for l in lines)
+    page = html_path.read_text()
+    checker = _Checker()
+    checker.feed(page)
+    assert not checker.errors and not checker.stack
+    assert checker.sections == [p.name for p in default_passes()]
+    assert checker.titles > 25  # provenance on hover for rewritten nodes
+    assert "del" in page and "add" in page
+
+
+def test_bad_input_errors():
+    r = run("diff", "--tp", "3")
+    assert r.returncode == 2 and "unsupported TP size 3" in r.stderr
+    r = run("diff", "--config", "no_such_model")
+    assert r.returncode == 2 and "unknown config 'no_such_model'" in r.stderr
+    r = run("diff", "--pass", "no_such_pass")
+    assert r.returncode == 2 and "no pass named 'no_such_pass'" in r.stderr
