@@ -76,7 +76,7 @@ def check_tp(tp_size: int) -> None:
 
 
 def lower(gm: torch.fx.GraphModule, inputs: list[InputInfo], *, tp_size: int, bucket: int,
-          options: Options, batch_symbol=None) -> torch.fx.GraphModule:
+          options: Options, batch_symbol=None, tp_rank: int = 0) -> torch.fx.GraphModule:
     """Run the pipeline on a copy of the captured graph for one (bucket, TP) point."""
     work = copy_graph_module(gm)
     work.meta["k3_inputs"] = inputs
@@ -84,7 +84,8 @@ def lower(gm: torch.fx.GraphModule, inputs: list[InputInfo], *, tp_size: int, bu
     if options.dump_dir:
         import os
         dump = os.path.join(options.dump_dir, f"tp{tp_size}_bucket{bucket}")
-    ctx = PassContext(bucket=bucket, tp_size=tp_size, inputs=inputs, batch_symbol=batch_symbol, dump_dir=dump)
+    ctx = PassContext(bucket=bucket, tp_size=tp_size, inputs=inputs, batch_symbol=batch_symbol, dump_dir=dump,
+                      tp_rank=tp_rank)
     build_pipeline(options.passes).run(work, ctx)
     return work
 
@@ -122,11 +123,16 @@ class BucketDispatcher:
 _CPU_NOTICE = [False]
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp_size: int | None = None):
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp_size: int | None = None,
+                  tp_rank: int | None = None):
     """Backend entry: classify the inputs, lower for every bucket, return the dispatcher."""
     inputs = classify_inputs(gm, example_inputs)
     if tp_size is None:
         tp_size = _infer_tp(gm)
+    if tp_rank is None:
+        import torch.distributed as dist
+
+        tp_rank = dist.get_rank() if tp_size > 1 else 0
     check_tp(tp_size)
     token_index = next(i for i, info in enumerate(inputs) if info.kind == "token_ids")
     tok = example_inputs[token_index]
@@ -144,7 +150,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp
         log.info("k3compile: batch specialised to %d by Dynamo; use k3compile.compile(model) (or "
                  "torch._dynamo.mark_dynamic(token_ids, 0)) for one graph serving every bucket", tok.shape[0])
         buckets = (b,)
-    graphs = {b: lower(gm, inputs, tp_size=tp_size, bucket=b, options=options, batch_symbol=sym) for b in buckets}
+    graphs = {b: lower(gm, inputs, tp_size=tp_size, bucket=b, options=options, batch_symbol=sym, tp_rank=tp_rank)
+              for b in buckets}
     if not torch.cuda.is_available() and not _CPU_NOTICE[0]:
         log.warning("k3compile: no CUDA device; running the lowered graph through the K3 dialect's eager "
                     "implementations on the CPU")
@@ -174,7 +181,7 @@ class CompiledDecode:
         self.dispatchers: list[BucketDispatcher] = []
 
         def backend(gm, example_inputs, **_):
-            d = compile_graph(gm, example_inputs, options, tp_size=model.tp.size)
+            d = compile_graph(gm, example_inputs, options, tp_size=model.tp.size, tp_rank=model.tp.rank)
             self.dispatchers.append(d)
             return d
 

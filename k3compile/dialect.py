@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.fx
 from torch import Tensor
 
 from k3compile.models import ops as ref
@@ -150,14 +151,239 @@ def lm_head_impl(h: Tensor, norm_weight: Tensor, weight: Tensor, eps: float) -> 
 lm_head = _op("lm_head", "final RMSNorm + vocab projection, fp32 logits", lm_head_impl)
 
 
+# ------------------------------------------------------------------------------------------------------
+# Fused and distributed ops produced by the passes (issue: fusion and communication overlap). Each eager
+# implementation composes the reference ops above in exactly the eager model's order and dtypes, so a
+# graph is bit-identical to eager on the CPU after every pass; kernels are checked per template on a GPU.
+# ``group``/``tp`` name the tensor-parallel group; with tp == 1 every reduction/gather is the identity.
+
+
+def _all_reduce(x: Tensor, group: str, tp: int) -> Tensor:
+    return tp_all_reduce_impl(x, group, tp)
+
+
+def _all_gather_last(x: Tensor, group: str, tp: int) -> Tensor:
+    if tp == 1:
+        return x.clone()
+    g = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp, group))
+    return torch.cat(torch.chunk(g, tp, dim=0), dim=-1)
+
+
+def _gemm(x: Tensor, w: Tensor, fp32: bool) -> Tensor:
+    return torch.nn.functional.linear(x.float(), w.float()) if fp32 else torch.nn.functional.linear(x, w)
+
+
+def tp_all_gather_impl(x: Tensor, group: str, tp: int) -> Tensor:
+    return _all_gather_last(x, group, tp)
+
+
+tp_all_gather = _op("tp_all_gather", "concatenate the ranks' shards along the last dim", tp_all_gather_impl,
+                    fake=lambda x, group, tp: x.new_empty((*x.shape[:-1], x.shape[-1] * tp)))
+
+
+def _sharded_gemm(x: Tensor, w: Tensor, fp32: bool, group: str, tp: int, rank: int) -> Tensor:
+    """Rows [rank*N/tp, (rank+1)*N/tp) of x @ W.T, then gathered from every rank.
+
+    The kernel reads only its rows. The CPU reference computes the product over all rows and keeps its
+    own: a row's dot products must not depend on how many other rows one GEMM call computes (BLAS
+    picks different code paths for tiny N), and this keeps the pass bit-exact against eager."""
+    n = w.shape[0] // tp
+    local = _gemm(x, w, fp32)[:, rank * n:(rank + 1) * n]
+    return _all_gather_last(local, group, tp)
+
+
+def linear_gather_impl(x: Tensor, weight: Tensor, fp32: bool, group: str, tp: int, rank: int) -> Tensor:
+    return _sharded_gemm(x, weight, fp32, group, tp, rank)
+
+
+def _linear_gather_fake(x, weight, fp32, group, tp, rank):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if fp32 else x.dtype)
+
+
+linear_gather = _op("linear_gather", "row-sharded GEMM (this rank's rows) + all-gather of the shards",
+                    linear_gather_impl, fake=_linear_gather_fake)
+
+
+def front_gemm_impl(x: Tensor, weights: list[Tensor], fp32: list[bool], gather: list[bool], group: str, tp: int,
+                    rank: int) -> list[Tensor]:
+    out = []
+    for w, f, g in zip(weights, fp32, gather):
+        out.append(_sharded_gemm(x, w, f, group, tp, rank) if g and tp > 1 else _gemm(x, w, f))
+    return out
+
+
+def _front_gemm_fake(x, weights, fp32, gather, group, tp, rank):
+    return [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if f else x.dtype)
+            for w, f in zip(weights, fp32)]
+
+
+front_gemm = _op("front_gemm", "several GEMMs of one input in one pass over it (fp32 and gathered outputs "
+                 "per entry)", front_gemm_impl, fake=_front_gemm_fake)
+
+
+def _select(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling_factor: float):
+    # exactly ref.moe_route after its fp32 GEMM
+    scores = torch.sigmoid(logits)
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+def moe_select_impl(logits: Tensor, score_bias: Tensor, top_k: int, renormalize: bool,
+                    scaling_factor: float) -> tuple[Tensor, Tensor]:
+    return _select(logits, score_bias, top_k, renormalize, scaling_factor)
+
+
+moe_select = _op("moe_select", "sigmoid + biased top-k + renormalised weights from fp32 router logits",
+                 moe_select_impl)
+
+
+def routed_experts_impl(z: Tensor, logits: Tensor, score_bias: Tensor, top_k: int, renormalize: bool,
+                        scaling_factor: float, w1_packed: Tensor, w1_scale: Tensor, w3_packed: Tensor,
+                        w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor, beta: float,
+                        linear_beta: float) -> Tensor:
+    weights, ids = _select(logits, score_bias, top_k, renormalize, scaling_factor)
+    return ref.latent_moe_experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                                  beta, linear_beta)
+
+
+routed_experts = _op("routed_experts", "expert selection folded into the MXFP4 expert GEMMs (gate/up + SiTU, "
+                     "down + weighted combine)", routed_experts_impl)
+
+
+def situ_linear_impl(gate: Tensor, up: Tensor, weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+    return torch.nn.functional.linear(ref.situ_glu(gate, up, beta, linear_beta), weight)
+
+
+situ_linear = _op("situ_linear", "SiTU-GLU folded into the down-projection's prologue", situ_linear_impl)
+
+
+def rms_norm_linear_impl(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+    return torch.nn.functional.linear(ref.rms_norm(x, norm_weight, eps), weight)
+
+
+rms_norm_linear = _op("rms_norm_linear", "RMSNorm folded into the following GEMM's prologue", rms_norm_linear_impl)
+
+
+def kda_decode_fb_impl(q: Tensor, k: Tensor, v: Tensor, f_a: Tensor, f_b_weight: Tensor, beta_logits: Tensor,
+                       g: Tensor, conv_q: Tensor, conv_k: Tensor, conv_v: Tensor, recurrent_state: Tensor,
+                       q_conv_weight: Tensor, k_conv_weight: Tensor, v_conv_weight: Tensor, a_log: Tensor,
+                       dt_bias: Tensor, o_norm_weight: Tensor, head_dim: int, lower_bound: float,
+                       eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    f = torch.nn.functional.linear(f_a, f_b_weight)
+    return ref.kda_decode(q, k, v, f, beta_logits, g, conv_q, conv_k, conv_v, recurrent_state, q_conv_weight,
+                          k_conv_weight, v_conv_weight, a_log, dt_bias, o_norm_weight, head_dim, lower_bound, eps)
+
+
+kda_decode_fb = _op("kda_decode_fb", "KDA step with the low-rank decay up-projection (f_b) folded in",
+                    kda_decode_fb_impl)
+
+
+def _residual_norm(new_prefix: Tensor, blocks: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
+                   out_norm_weight: Tensor, out_eps: float) -> Tensor:
+    return ref.rms_norm(ref.attn_res(new_prefix, blocks, norm_weight, proj_weight, eps), out_norm_weight, out_eps)
+
+
+def oproj_residual_norm_impl(y: Tensor, weight: Tensor, group: str, tp: int, prefix: Optional[Tensor],
+                             blocks: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
+                             out_norm_weight: Tensor, out_eps: float) -> tuple[Tensor, Tensor]:
+    a = _all_reduce(torch.nn.functional.linear(y, weight), group, tp)
+    new_prefix = a if prefix is None else prefix + a
+    return _residual_norm(new_prefix, blocks, norm_weight, proj_weight, eps, out_norm_weight, out_eps), new_prefix
+
+
+oproj_residual_norm = _op(
+    "oproj_residual_norm", "attention o_proj GEMM -> all-reduce (epilogue writes the communication buffer) -> "
+    "residual add -> pre-FFN AttnRes -> post-attention RMSNorm; returns (normed, new prefix)",
+    oproj_residual_norm_impl)
+
+
+def allreduce_rms_norm_impl(x: Tensor, group: str, tp: int, weight: Tensor, eps: float) -> Tensor:
+    return ref.rms_norm(_all_reduce(x, group, tp), weight, eps)
+
+
+allreduce_rms_norm = _op("allreduce_rms_norm", "all-reduce of a partial sum fused with the RMSNorm that follows",
+                         allreduce_rms_norm_impl)
+
+
+def _ffn_out(latent_partial: Optional[Tensor], latent_norm_weight: Optional[Tensor], latent_eps: float,
+             up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int) -> Tensor:
+    """[all-reduce the routed-expert latent partial, RMSNorm it, up-project it, and add] the all-reduced
+    partial (shared expert / dense MLP), in the eager model's order."""
+    if latent_partial is None:
+        return _all_reduce(partial, group, tp)
+    latent = ref.rms_norm(_all_reduce(latent_partial, group, tp), latent_norm_weight, latent_eps)
+    r = torch.nn.functional.linear(latent, up_weight)
+    return r + _all_reduce(partial, group, tp)
+
+
+def ffn_tail_impl(latent_partial: Optional[Tensor], latent_norm_weight: Optional[Tensor], latent_eps: float,
+                  up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int, prefix: Tensor) -> Tensor:
+    return prefix + _ffn_out(latent_partial, latent_norm_weight, latent_eps, up_weight, partial, group, tp)
+
+
+ffn_tail = _op("ffn_tail", "FFN tail: [latent all-reduce + RMSNorm + up-projection +] all-reduce of the partial + "
+               "residual add; returns the new prefix", ffn_tail_impl)
+
+
+def ffn_tail_norm_impl(latent_partial: Optional[Tensor], latent_norm_weight: Optional[Tensor], latent_eps: float,
+                       up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int, prefix: Tensor,
+                       blocks: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float, out_norm_weight: Tensor,
+                       out_eps: float) -> tuple[Tensor, Tensor]:
+    new_prefix = prefix + _ffn_out(latent_partial, latent_norm_weight, latent_eps, up_weight, partial, group, tp)
+    return _residual_norm(new_prefix, blocks, norm_weight, proj_weight, eps, out_norm_weight, out_eps), new_prefix
+
+
+ffn_tail_norm = _op("ffn_tail_norm", "FFN tail fused with the next layer's pre-attention AttnRes + RMSNorm; "
+                    "returns (normed, new prefix)", ffn_tail_norm_impl)
+
+
+def prefetch_impl(weights: list[Tensor], nbytes: int) -> None:
+    return None
+
+
+prefetch = _op("prefetch", "prefetch static weights into L2 while a collective waits (no-op on the CPU)",
+               prefetch_impl, fake=lambda weights, nbytes: None)
+
+# Ops that communicate across the TP group (must stay on the main stream).
+COLLECTIVE_OPS = frozenset({"tp_all_reduce", "tp_all_gather", "linear_gather", "oproj_residual_norm",
+                            "allreduce_rms_norm", "ffn_tail", "ffn_tail_norm"})
+
+
+def communicates(node) -> bool:
+    """Whether a dialect node performs a collective (front_gemm does when one of its entries gathers)."""
+    if not is_k3(node):
+        return False
+    name = node.target.__name__.split(".")[0]
+    if name == "front_gemm":
+        return any(node.args[3]) and node.args[5] > 1
+    return name in COLLECTIVE_OPS and _tp_of(node) > 1
+
+
+def _tp_of(node) -> int:
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    key = "tp_size" if "tp_size" in names else "tp"
+    i = names.index(key)
+    return node.args[i] if i < len(node.args) else node.kwargs[key]
+
+
 def k3_ops() -> dict[str, torch._ops.OpOverload]:
     """name -> OpOverload for every dialect op."""
     return {name: getattr(torch.ops.k3, name).default for name in OPS}
 
 
+def op_name(node) -> str:
+    """The dialect op name of a node ("" if it is not a dialect op)."""
+    return node.target.__name__.split(".")[0] if is_k3(node) else ""
+
+
 def is_k3(node, name: Optional[str] = None) -> bool:
     """Whether an FX node calls a dialect op (optionally a given one)."""
-    if node.op != "call_function":
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
     t = node.target
     ns = getattr(t, "namespace", None)

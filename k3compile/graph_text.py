@@ -100,7 +100,11 @@ def graph_lines(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
         args = [_arg_str(a, labels) for a in node.args]
         args += [f"{k}={_arg_str(v, labels)}" for k, v in node.kwargs.items()]
         shape = _val_str(node_value(node))
-        line = f"{node.name} = {target_str(node)}({', '.join(args)})" + (f"  # {shape}" if shape else "")
+        extra = [f"@{node.meta['k3_kernel']}"] if "k3_kernel" in node.meta else []
+        if node.meta.get("k3_stream", "main") != "main":
+            extra.append(f"stream={node.meta['k3_stream']}")
+        comment = " ".join([shape] + extra).strip()
+        line = f"{node.name} = {target_str(node)}({', '.join(args)})" + (f"  # {comment}" if comment else "")
         prov = node.meta.get("k3_provenance")
         by = node.meta.get("k3_created_by")
         out.append((line, (f"{by}: " if by else "") + " <- ".join(prov) if prov else ""))

@@ -28,11 +28,12 @@ from .graph_text import graph_lines
 
 
 class Stage(enum.IntEnum):
-    LIFT = 1  # aten/torch-level capture -> K3 dialect
+    LIFT = 1  # torch-level capture -> K3 dialect
     CLEANUP = 2  # dead code, canonical form
-    FUSE = 3  # fusions of dialect ops
-    SCHEDULE = 4  # streams, prefetch, ordering
-    SELECT = 5  # kernel choice per bucket
+    SHARD = 3  # split replicated work across TP ranks
+    FUSE = 4  # fusions of dialect ops
+    SCHEDULE = 5  # streams, prefetch, ordering
+    SELECT = 6  # kernel choice per bucket
 
 
 class PassConditionError(RuntimeError):
@@ -61,6 +62,7 @@ class PassContext:
     bucket: int
     tp_size: int
     inputs: list  # list[capture.InputInfo]
+    tp_rank: int = 0
     batch_symbol: Any = None
     dump_dir: str | None = None
 
@@ -69,6 +71,13 @@ class PassContext:
 
     def state_names(self) -> set[str]:
         return {i.name for i in self.inputs if i.kind == "state"}
+
+    def label(self, node) -> str:
+        """The model name of a graph input node ("" for anything else)."""
+        for i in self.inputs:
+            if i.name == getattr(node, "name", None):
+                return i.label
+        return ""
 
 
 @dataclass

@@ -7,8 +7,15 @@ config (``buckets=(...)``), in which case it is recorded as skipped for the othe
 from __future__ import annotations
 
 from k3compile.passes.eliminate_dead_code import EliminateDeadCode
+from k3compile.passes.front_gemm import FrontGemm
 from k3compile.passes.fuse_attn_res_norm import FuseAttnResNorm
+from k3compile.passes.fuse_elementwise import FuseElementwise
+from k3compile.passes.fuse_oproj_allreduce import FuseOprojAllreduce
 from k3compile.passes.lift_dialect import LiftDialect
+from k3compile.passes.prefetch_weights import PrefetchWeights
+from k3compile.passes.select_kernels import SelectKernels
+from k3compile.passes.shard_routing import ShardRouting
+from k3compile.passes.shared_expert_stream import SharedExpertStream
 
 from .pipeline import PASS_REGISTRY, PassConfig, Pipeline
 
@@ -19,8 +26,18 @@ def default_passes() -> list:
         LiftDialect(),            # semantic calls, linears and collectives -> k3.* ops
         # --- CLEANUP
         EliminateDeadCode(),      # unused nodes; state writes and collectives always stay
+        # --- SHARD: no duplicated work across TP ranks
+        ShardRouting(),           # router scoring + latent down-projection split across ranks, all-gathered
         # --- FUSE
         FuseAttnResNorm(),        # AttnRes read + the RMSNorm consuming it -> one op
+        FuseOprojAllreduce(),     # o_proj -> all-reduce -> residual -> AttnRes -> norm; the MoE/MLP tails
+        FrontGemm(),              # GEMMs reading the same input -> one front GEMM
+        FuseElementwise(),        # SiTU, norms, f_b, expert selection into their neighbours
+        # --- SCHEDULE
+        SharedExpertStream(),     # shared expert on a side stream; collectives stay on main
+        PrefetchWeights(),        # L2 prefetch of the next weights before each collective
+        # --- SELECT
+        SelectKernels(),          # kernel family + parameters per bucket (kernel_table.py)
     ]
 
 
