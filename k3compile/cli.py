@@ -43,6 +43,18 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from k3compile.models import get_config
+
+    from .plan import dumps, plan_for
+
+    cfg = get_config(args.config)
+    cfg.check_tp(args.tp)
+    plan = plan_for(cfg, tp=args.tp, bucket=args.bucket, context=args.context)
+    print(dumps(plan, args.bandwidth) if args.json else plan.text(args.bandwidth), end="" if not args.json else "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="k3compile",
@@ -57,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--html", help="also write a self-contained HTML page (pass list, side-by-side graphs)")
     d.add_argument("--dump-dir", help="also write NN_<pass>.before.py/.after.py/.diff files here")
     d.set_defaults(func=cmd_diff)
+    pl = sub.add_parser("plan", help="the kernel launches per layer type for one (bucket, TP) point",
+                        description="Ordered kernel launches per layer type (stream, inputs, bytes of weights and "
+                                    "activations, FLOPs) and the per-layer HBM floor (bytes / bandwidth).")
+    _add_point_args(pl)
+    pl.add_argument("--context", type=int, default=0, help="tokens already in each sequence (MLA cache bytes read)")
+    pl.add_argument("--bandwidth", type=float, default=4.2e12, help="HBM bandwidth in bytes/s for the floor")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 

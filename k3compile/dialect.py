@@ -282,6 +282,18 @@ kda_decode_fb = _op("kda_decode_fb", "KDA step with the low-rank decay up-projec
                     kda_decode_fb_impl)
 
 
+def mla_decode_latent_impl(q: Tensor, kv: Tensor, kv_norm_weight: Tensor, kv_eps: float, gate: Tensor,
+                           cache: Tensor, lengths: Tensor, kv_b_weight: Tensor, nope_dim: int, v_dim: int,
+                           scale: float) -> tuple[Tensor, Tensor]:
+    c_dim = kv_b_weight.shape[1]
+    latent = torch.cat([ref.rms_norm(kv[:, :c_dim], kv_norm_weight, kv_eps), kv[:, c_dim:]], dim=-1)
+    return ref.mla_decode(q, latent, gate, cache, lengths, kv_b_weight, nope_dim, v_dim, scale), latent
+
+
+mla_decode_latent = _op("mla_decode_latent", "MLA decode with the kv_a RMSNorm and latent-row assembly folded in; "
+                        "returns (gated output, latent row for the cache)", mla_decode_latent_impl)
+
+
 def _residual_norm(new_prefix: Tensor, blocks: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
                    out_norm_weight: Tensor, out_eps: float) -> Tensor:
     return ref.rms_norm(ref.attn_res(new_prefix, blocks, norm_weight, proj_weight, eps), out_norm_weight, out_eps)

@@ -61,7 +61,7 @@ def choose(op: str, bucket: int, k_dim: int = 0, has_up: bool = False) -> Kernel
         return KernelChoice(fam, (f"{op}_gate_up", f"{op}_down_combine"), params)
     if op in ("kda_decode", "kda_decode_fb"):
         return KernelChoice("kda_decode", (op,), {"heads_per_cta": 1})
-    if op == "mla_decode":
+    if op in ("mla_decode", "mla_decode_latent"):
         return KernelChoice("mla_decode_split_kv", (op,), {"kv_split": "by_context"})
     if op in ROW_OPS:
         return KernelChoice("rowwise", (op,))

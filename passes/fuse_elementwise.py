@@ -15,17 +15,38 @@ kernels next to them::
     w, ids = k3.moe_select(lg, bias, k, ...)          e = k3.routed_experts(z, lg, bias, k, ..., W[experts])
     e = k3.latent_moe_experts(z, w, ids, ...)
 
+    c = k3.rms_norm(kv[:, :C], W[kv_a_layernorm])     o, row = k3.mla_decode_latent(q, kv, W[kv_a_layernorm],
+    row = torch.cat([c, kv[:, C:]])                            1e-6, gate, S[cache], lengths, W[kv_b], ...)
+    o = k3.mla_decode(q, row, gate, S[cache], ...)
+
 (Residual adds were folded by fuse_oproj_allreduce; SiTU inside the experts is part of the expert op.)
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch.fx
 
 from k3compile import dialect
 from k3compile.pipeline import K3Pass, PassContext, PassResult, Stage, register_pass
 
-from .common import getitem_users, new_op, only_user, replace_node
+from .common import getitem_users, new_op, only_user, replace_node, tuple_outputs, val
+
+
+def _mla_latent(latent):
+    """(cat, rms_norm, kv) if ``latent = cat([rms_norm(kv[:, :C]), kv[:, C:]])``, else None."""
+    if latent.op != "call_function" or getattr(latent.target, "__name__", "") != "cat":
+        return None
+    parts = latent.args[0]
+    if len(parts) != 2 or not dialect.is_k3(parts[0], "rms_norm"):
+        return None
+    c_slice, pe_slice = parts[0].args[0], parts[1]
+    if not all(isinstance(p, torch.fx.Node) and p.target is operator.getitem for p in (c_slice, pe_slice)):
+        return None
+    if c_slice.args[0] is not pe_slice.args[0] or len(c_slice.users) != 1:
+        return None
+    return latent, parts[0], c_slice.args[0]
 
 
 @register_pass
@@ -59,6 +80,23 @@ class FuseElementwise(K3Pass):
             fused = new_op(gm, kda, "kda_decode_fb", args, [f, kda], self.name, kda)
             replace_node(kda, fused)
             g.erase_node(f)
+            count += 1
+        for mla in [n for n in g.nodes if dialect.is_k3(n, "mla_decode")]:
+            fold = _mla_latent(mla.args[1])
+            if fold is None:
+                continue
+            cat, norm, kv = fold
+            q, _, gate, cache, lengths, kv_b, nope, vdim, scale = mla.args
+            fused = new_op(gm, mla, "mla_decode_latent",
+                           (q, kv, norm.args[1], norm.args[2], gate, cache, lengths, kv_b, nope, vdim, scale),
+                           [norm, cat, mla], self.name)
+            o, latent = tuple_outputs(gm, fused, [val(mla), val(cat)])
+            mla.replace_all_uses_with(o)
+            g.erase_node(mla)
+            cat.replace_all_uses_with(latent)
+            for n in (cat, norm, norm.args[0]):
+                if not n.users:
+                    g.erase_node(n)
             count += 1
         for experts in [n for n in g.nodes if dialect.is_k3(n, "latent_moe_experts")]:
             z, w_node, ids_node = experts.args[:3]
