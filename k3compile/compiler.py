@@ -168,6 +168,13 @@ def _infer_tp(gm: torch.fx.GraphModule) -> int:
     return dist.get_world_size()
 
 
+def mark_dynamic_inputs(token_ids: torch.Tensor, state) -> None:
+    """The batch is symbolic; so is the state's capacity (a state of another size must not recompile)."""
+    mark_batch_dynamic(token_ids)
+    for t in state.tensors():
+        torch._dynamo.mark_dynamic(t, 0)
+
+
 class CompiledDecode:
     """``k3compile.compile(model)``: call it like ``model.decode(token_ids, state)``.
 
@@ -196,9 +203,7 @@ class CompiledDecode:
                 return self.model.decode(token_ids, state)
             raise BucketError(f"batch {B} is above the largest compiled bucket {self.options.buckets[-1]}; compile "
                               f"with buckets=(..., {max(B, 2 * self.options.buckets[-1])}) or eager_fallback=True")
-        mark_batch_dynamic(token_ids)
-        for t in state.tensors():  # a state of another capacity must not recompile either
-            torch._dynamo.mark_dynamic(t, 0)
+        mark_dynamic_inputs(token_ids, state)
         with symbolic_batch():
             return self._compiled(token_ids, state)
 

@@ -10,6 +10,8 @@ For a logical weight ``W [out, in]``:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 GROUP = 32
@@ -63,8 +65,11 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) 
     if scale.shape[-1] * GROUP != n_in or scale.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"weight_scale shape {tuple(scale.shape)} does not match weight_packed "
                          f"{tuple(packed.shape)} (expected [..., in/{GROUP}] = [..., {n_in // GROUP}])")
-    table = e2m1_values(torch.arange(16, device=packed.device))  # built per call: also works on fake tensors
-    vals = table[unpack_codes(packed).long()]
+    # One lookup per byte gives both of its elements (low nibble first). The 256x2 table is built per call
+    # from the code bits, so this also runs on meta/fake tensors.
+    byte = torch.arange(256, device=packed.device)
+    table = torch.stack((e2m1_values(byte & 15), e2m1_values(byte >> 4)), dim=-1)  # [256, 2]
+    vals = table[packed.long()].flatten(-2)
     # 2**(e-127) applied as two powers of two, each finite in fp32: a single factor overflows for
     # e = 255 (2**128), which turned code 0 into NaN and 0.5 * 2**128 = 2**127 into inf. Both
     # products are exact, so every representable result is exact.
@@ -72,6 +77,30 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) 
     half = torch.floor(ex / 2)
     w = vals.unflatten(-1, (n_in // GROUP, GROUP)) * torch.exp2(half)[..., None] * torch.exp2(ex - half)[..., None]
     return w.flatten(-2).to(dtype)
+
+
+_DEQUANT_CACHE: dict[int, tuple] = {}  # id(packed) -> (weakref to packed, key, dequantised)
+
+
+def dequantize_static(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """:func:`dequantize` for static weights, memoised per (packed tensor, version, scale, dtype).
+
+    Only the eager reference uses this, for small expert sets it dequantises whole (a CPU speed-up: the
+    weights never change between steps). An in-place change of either tensor bumps its version and
+    invalidates the entry; fake/meta tensors (graph capture) are never cached.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(packed) or packed.device.type == "meta" or torch.compiler.is_compiling():
+        return dequantize(packed, scale, dtype)
+    key = (packed._version, id(scale), scale._version, dtype)
+    hit = _DEQUANT_CACHE.get(id(packed))
+    if hit is not None and hit[0]() is packed and hit[1] == key:
+        return hit[2]
+    out = dequantize(packed, scale, dtype)
+    ident = id(packed)
+    _DEQUANT_CACHE[ident] = (weakref.ref(packed, lambda _: _DEQUANT_CACHE.pop(ident, None)), key, out)
+    return out
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

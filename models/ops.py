@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mxfp4 import dequantize
+from .mxfp4 import dequantize, dequantize_static
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,9 +87,9 @@ def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     dt = z.dtype
     E, I, half_l = w1_packed.shape
     if 3 * E * I * half_l * 2 <= DENSE_EXPERTS_MAX_WEIGHTS:
-        w1 = dequantize(w1_packed, w1_scale, dt)  # [E, I, L]
-        w3 = dequantize(w3_packed, w3_scale, dt)
-        w2 = dequantize(w2_packed, w2_scale, dt)  # [E, L, I]
+        w1 = dequantize_static(w1_packed, w1_scale, dt)  # [E, I, L]
+        w3 = dequantize_static(w3_packed, w3_scale, dt)
+        w2 = dequantize_static(w2_packed, w2_scale, dt)  # [E, L, I]
         gate = torch.matmul(z[None], w1.transpose(1, 2))  # [E, B, I]
         up = torch.matmul(z[None], w3.transpose(1, 2))
         y = torch.matmul(situ_glu(gate, up, beta, linear_beta), w2.transpose(1, 2))  # [E, B, L]

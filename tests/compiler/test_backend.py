@@ -61,7 +61,7 @@ def test_backend_by_name_with_options(mini_model, tmp_path):
     step = torch.compile(mini_model.decode, backend="k3compile",
                          options={"buckets": (4,), "dump_dir": str(tmp_path)})
     assert _decode_both(mini_model, step, 2, 2, seed=3) == 0.0
-    assert (tmp_path / "tp1_bucket4" / "03_fuse_attn_res_norm.diff").exists()
+    assert (tmp_path / "tp1_bucket4" / "04_fuse_attn_res_norm.diff").exists()
 
 
 def test_batch_above_largest_bucket(mini_model, caplog):

@@ -52,9 +52,9 @@ def test_diff_one_pass_and_html(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0].startswith("=== 03 fuse_attn_res_norm") and "matches=25" in lines[0]
+    assert lines[0].startswith("=== 04 fuse_attn_res_norm") and "matches=25" in lines[0]
     assert "+25/-50 nodes" in lines[0]
-    assert lines[1] == "--- 03_fuse_attn_res_norm.before.py" and lines[2] == "+++ 03_fuse_attn_res_norm.after.py"
+    assert lines[1] == "--- 04_fuse_attn_res_norm.before.py" and lines[2] == "+++ 04_fuse_attn_res_norm.after.py"
     assert "lift_dialect" not in out  # only the pass asked for
     assert any(l.startswith("-h2 = k3.attn_res(tp_all_reduce") for l in lines)  # TP2: inputs are all-reduced
     assert any(l.startswith("+attn_res_rms_norm") for l in lines)

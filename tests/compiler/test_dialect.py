@@ -11,6 +11,7 @@ from k3compile.capture import capture_config
 from k3compile.compiler import Options, lower
 from k3compile.models import k3_mini
 from k3compile.models.mxfp4 import quantize
+from k3compile.pipeline_table import default_passes
 
 
 class _RecordK3(torch.fx.Interpreter):
@@ -26,17 +27,27 @@ class _RecordK3(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def test_every_dialect_op_has_consistent_fake_impl(mini_model):
-    compiled = k3compile.compile(mini_model, buckets=(4,))
-    compiled(torch.tensor([1, 2, 3]), mini_model.new_state(3, 8))
+def _recorded_calls(model, passes):
+    compiled = k3compile.compile(model, buckets=(4,), options={"passes": passes})
+    compiled(torch.tensor([1, 2, 3]), model.new_state(3, 8))
     dispatcher = compiled.dispatchers[-1]
     rec = _RecordK3(dispatcher.graphs[4])
     dispatcher.graphs[4] = lambda *args: rec.run(*args)
-    compiled(torch.tensor([4, 5, 6]), mini_model.new_state(3, 8))
-    seen = {f.__name__.split(".")[0] for f in rec.calls}
-    assert seen >= {"rms_norm", "attn_res_rms_norm", "attn_res", "linear", "situ_glu", "moe_route",
-                    "latent_moe_experts", "kda_decode", "mla_decode", "lm_head"}
-    for func, (args, kwargs) in rec.calls.items():
+    compiled(torch.tensor([4, 5, 6]), model.new_state(3, 8))
+    return rec.calls
+
+
+def test_every_dialect_op_has_consistent_fake_impl(mini_model):
+    """opcheck (schema + fake impl against the real one) on real arguments of every op the pipeline
+    produces: once right after lifting, once after every pass."""
+    lifted_only = {p.name: {"enabled": False} for p in default_passes()[2:]}
+    calls = {**_recorded_calls(mini_model, lifted_only), **_recorded_calls(mini_model, {})}
+    seen = {f.__name__.split(".")[0] for f in calls}
+    assert seen == {"rms_norm", "attn_res", "linear", "situ_glu", "moe_route", "latent_moe_experts", "kda_decode",
+                    "mla_decode", "lm_head", "front_gemm", "kda_decode_fb", "oproj_residual_norm", "routed_experts",
+                    "situ_linear", "ffn_tail_norm", "ffn_tail", "mla_decode_latent", "rms_norm_linear", "prefetch"} \
+        - {"prefetch"}  # TP 1 has no collectives to prefetch behind
+    for func, (args, kwargs) in calls.items():
         torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -50,12 +61,19 @@ def test_ops_not_in_k3_mini_graph():
     packed, scale = quantize(torch.randn(32, 64))
     torch.library.opcheck(torch.ops.k3.linear_mxfp4.default, (x, packed, scale))
     torch.library.opcheck(torch.ops.k3.tp_all_reduce.default, (x, "0", 1))
+    torch.library.opcheck(torch.ops.k3.tp_all_gather.default, (x, "0", 1))
+    torch.library.opcheck(torch.ops.k3.allreduce_rms_norm.default, (x, "0", 1, w, 1e-5))
+    w2 = torch.randn(16, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.k3.linear_gather.default, (x, w2, True, "0", 1, 0))
+    logits = torch.randn(3, 16)
+    torch.library.opcheck(torch.ops.k3.moe_select.default, (logits, torch.zeros(16), 4, True, 1.0))
+    torch.library.opcheck(torch.ops.k3.prefetch.default, ([w2], 2048))
 
 
 def _counts(tp):
     cap = capture_config(k3_mini(), tp_size=tp)
-    gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=1,
-               options=Options.make(passes={"fuse_attn_res_norm": {"enabled": False}}))
+    lifted_only = {p.name: {"enabled": False} for p in default_passes()[2:]}
+    gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=1, options=Options.make(passes=lifted_only))
     return Counter(n.target.__name__.split(".")[0] for n in gm.graph.nodes if dialect.is_k3(n))
 
 
