@@ -177,6 +177,22 @@ class _Costs:
             n = n.args[0]
         return n if n.op == "placeholder" and n.name in self.state else None
 
+    def written_outputs(self, node) -> list:
+        """Output tensors that go to memory as activations. New decode state is excluded: the kernel
+        updates the state in place, counted once as state read + write."""
+        outs = node_value(node)
+        if not isinstance(outs, (tuple, list)):
+            return _tensors(outs)
+        keep = []
+        for i, t in enumerate(outs):
+            users = [u for u in node.users if u.target is operator.getitem and u.args[1] == i]
+            to_state = users and all(w.op == "call_method" and w.target in ("copy_", "index_put_")
+                                     and w.args[0] is not g and self.state_root(w.args[0]) is not None
+                                     for g in users for w in g.users)
+            if not to_state:
+                keep.extend(_tensors(t))
+        return keep
+
     def launch_costs(self, node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
         op = dialect.op_name(node)
         weight = sympy.Integer(0)
@@ -217,7 +233,7 @@ class _Costs:
                     state += 2 * _rows_bytes(v)  # read + written back in place
             elif isinstance(v, torch.Tensor) and v.dim() >= 1 and a.op != "placeholder":
                 act += _rows_bytes(v)
-        for t in _tensors(node_value(node)):
+        for t in self.written_outputs(node):
             if t.dim() >= 1:
                 act += _rows_bytes(t)
         if op in ("kda_decode", "kda_decode_fb"):
@@ -365,14 +381,23 @@ def representative(config):
                             f"whole-model totals weight each type by its count in all {config.num_hidden_layers} layers")
 
 
-def plan_for(config, *, tp: int, bucket: int, context: int = 0, options: Options | None = None) -> KernelPlan:
+def plans_for(config, *, tp: int, buckets, context: int = 0) -> dict[int, KernelPlan]:
+    """One capture, one lowering and one plan per bucket."""
     check_tp(tp)
+    config.check_tp(tp)
     rep, note = representative(config)
     cap = capture_config(rep, tp_size=tp)
-    opts = options or Options.make(buckets=(bucket,))
-    gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=bucket, options=opts, batch_symbol=cap.batch_symbol)
-    return build_plan(gm, config=rep, tp=tp, bucket=bucket, context=context, layer_counts=layer_counts(config),
-                      note=note)
+    out = {}
+    for b in buckets:
+        gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=b, options=Options.make(buckets=(b,)),
+                   batch_symbol=cap.batch_symbol)
+        out[b] = build_plan(gm, config=rep, tp=tp, bucket=b, context=context, layer_counts=layer_counts(config),
+                            note=note)
+    return out
+
+
+def plan_for(config, *, tp: int, bucket: int, context: int = 0) -> KernelPlan:
+    return plans_for(config, tp=tp, buckets=(bucket,), context=context)[bucket]
 
 
 def dumps(plan: KernelPlan, bandwidth: float) -> str:

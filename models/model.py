@@ -202,8 +202,7 @@ class K3Model(nn.Module):
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         step = decode or self.decode
         gen = torch.Generator(device=self.device)
-        if seed is not None:
-            gen.manual_seed(seed)
+        gen.manual_seed(seed) if seed is not None else gen.seed()  # no seed: a fresh random one
         B = len(prompts)
         lens = [len(p) for p in prompts]
         total = max(lens) + max_new_tokens - 1

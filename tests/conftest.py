@@ -7,6 +7,7 @@ changes weights loads its own copy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,13 +16,26 @@ import pytest
 import torch
 
 
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread: k3-mini's ops are tiny, and OpenMP spin-waiting makes them ~10x slower
+    when the machine's cores are shared. Restores the previous setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def mini_ckpt(tmp_path_factory) -> str:
     """Path of a random k3-mini checkpoint (seed 0, single model.safetensors)."""
     from k3compile.models import k3_mini, save_random_checkpoint
 
     path = str(tmp_path_factory.mktemp("k3_mini_ckpt"))
-    save_random_checkpoint(path, k3_mini(), seed=0)
+    with one_thread():
+        save_random_checkpoint(path, k3_mini(), seed=0)
     return path
 
 
@@ -43,14 +57,16 @@ def mini_tensors(mini_ckpt) -> dict:
 def model_f32(mini_ckpt):
     from k3compile.models import load_pretrained
 
-    return load_pretrained(mini_ckpt, dtype=torch.float32)
+    with one_thread():
+        return load_pretrained(mini_ckpt, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
 def model_bf16(mini_ckpt):
     from k3compile.models import load_pretrained
 
-    return load_pretrained(mini_ckpt)
+    with one_thread():
+        return load_pretrained(mini_ckpt)
 
 
 @pytest.fixture

@@ -16,7 +16,20 @@ model matches the right form *and* that the wrong form would be measurably diffe
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread for k3-mini's tiny ops (see tests/models/conftest.py); restores the setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 P = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -98,7 +111,7 @@ def rope(x, pos, theta=10000.0):
 class Reference:
     """Float64 K3 decode, one independent sequence per row id."""
 
-    def __init__(self, config: dict, tensors: dict, mutations=()):
+    def __init__(self, config: dict, tensors: dict, mutations=(), cache: dict | None = None):
         bad = set(mutations) - MUTATIONS
         assert not bad, bad
         self.mut = frozenset(mutations)
@@ -120,7 +133,7 @@ class Reference:
         self.beta, self.lin_beta = float(t["activation_situ_beta"]), float(t["activation_situ_linear_beta"])
         self.first_dense = t["first_k_dense_replace"]
         self.raw = tensors
-        self._cache: dict = {}
+        self._cache: dict = {} if cache is None else cache  # float64 weights; shareable, mutations never edit them
         self.seqs: dict = {}
 
     # weights as float64, cached
@@ -396,3 +409,14 @@ def mla_full_ref(q, C, Kpe, gate, kv_b, nope, vdim, scale=None):
     s = torch.einsum("hd,htd->ht", d(q).view(H, nope + R), K) * (scale or (nope + R) ** -0.5)
     o = torch.einsum("ht,htv->hv", torch.softmax(s, -1), V).reshape(-1)
     return o * torch.sigmoid(d(gate))
+
+
+def rewrite_safetensors(ckpt: str, edit) -> None:
+    """Apply ``edit(dict of tensors) -> dict of tensors`` to a single-file checkpoint, in place."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(ckpt, "model.safetensors")
+    tensors = edit(dict(load_file(f)))
+    save_file(tensors, f, metadata={"format": "pt"})

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from k3ref import dequant_mxfp4, run_model
-from safetensors.torch import load_file, save_file
+from k3ref import dequant_mxfp4, rewrite_safetensors as rewrite, run_model
+from safetensors.torch import load_file
 
 from k3compile.models import (CheckpointError, ConfigError, k3_mini, load_pretrained, mxfp4,
                               save_random_checkpoint)
@@ -29,13 +29,6 @@ def model_key(name: str):
         e, w, kind = tail.split(".")
         return f"{head}.experts_{w}_{kind.replace('weight_', '')}", int(e)
     return rel, None
-
-
-def rewrite(ckpt: str, edit) -> None:
-    """Apply ``edit(tensors) -> tensors`` to a single-file checkpoint in place."""
-    f = os.path.join(ckpt, "model.safetensors")
-    tensors = edit(dict(load_file(f)))
-    save_file(tensors, f, metadata={"format": "pt"})
 
 
 def assert_same_state(a, b):

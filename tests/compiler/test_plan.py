@@ -1,0 +1,89 @@
+"""The kernel plan for the real config: launch counts and bytes against k3-architecture.md §3.2.
+
+§3.2's vLLM layout replicates the router, the latent down- and up-projections on every rank; our
+shard_routing pass splits the router and the down-projection across ranks, so the expected MoE bytes
+are ``up + (router + down) / tp`` instead of their sum. Routed experts: distinct experts a batch of B
+touches in expectation, E * (1 - (1 - k/E)^B), at 17,547,264 B per expert / tp (no padding at TP 16).
+The KDA recurrent state (fp32, read and written) scales with B.
+"""
+
+import json
+
+import pytest
+
+from k3compile.cli import main
+from k3compile.models import kimi_k3
+from k3compile.plan import B, plans_for
+
+MB = 1e6
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+H, D, HID, E, K = 96, 128, 7168, 896, 16
+EXPERT_BYTES = 17_547_264
+
+
+def expected_kda_moe(tp: int, b: int) -> float:
+    kda = ((5 * H * D * HID + H * D * 128 + H * HID + 3 * H * D * 4) * 2 + (H + H * D) * 4) / tp + 128 * HID * 2
+    state = 2 * (H // tp) * D * D * 4 * b
+    router, down, up = 896 * HID * 2, 3584 * HID * 2, HID * 3584 * 2
+    shared = 3 * 6144 * HID * 2 / tp
+    distinct = E * (1 - (1 - K / E) ** b)
+    routed = distinct * EXPERT_BYTES / tp
+    return kda + state + up + (router + down) / tp + shared + routed
+
+
+@pytest.fixture(scope="module", params=[8, 16])
+def plans(request):
+    return request.param, plans_for(kimi_k3(), tp=request.param, buckets=BUCKETS)
+
+
+def test_kda_moe_layer_launches_and_bytes(plans):
+    tp, by_bucket = plans
+    for b in BUCKETS:
+        lp = by_bucket[b].by_kind()["kda+moe"]
+        assert len(lp.launches) <= 8, [l.name for l in lp.launches]
+        # weights + state against the hand count (activations are the rest: a few hundred kB per row)
+        got = sum(float((l.weight_bytes + l.state_bytes).subs(B, b)) for l in lp.launches)
+        want = expected_kda_moe(tp, b)
+        assert abs(got - want) / want < 0.003, f"TP{tp} bucket {b}: plan {got / MB:.1f} MB vs {want / MB:.1f} MB"
+        act = sum(float(l.act_bytes.subs(B, b)) for l in lp.launches)
+        assert 0 < act < b * 0.5 * MB and lp.bytes(b) == pytest.approx(got + act, abs=len(lp.launches))
+    if tp == 8:
+        # §3.2 at TP8, batch 1: 298 MB in vLLM's layout; minus (router + down) * 7/8 sharded away here.
+        assert abs(by_bucket[1].by_kind()["kda+moe"].bytes(1) / MB - (298 - (12.8 + 51.4) * 7 / 8)) < 3
+
+
+def test_section_3_2_component_figures(plans):
+    tp, by_bucket = plans
+    lp = by_bucket[1].by_kind()["kda+moe"]
+    kda_attention = sum(float(l.weight_bytes) for l in lp.launches[:3]) / MB  # front GEMM, KDA, o_proj
+    shared_down = sum(float(l.weight_bytes) for l in lp.launches if l.stream == "shared_expert") / MB
+    routed = sum(float(l.weight_bytes.subs(B, 1)) for l in lp.launches if l.op == "routed_experts") / MB
+    attn, shared, experts = {8: (112.5, 33.0, 35.1), 16: (57.2, 16.5, 17.5)}[tp]
+    assert kda_attention == pytest.approx(attn, rel=0.01)
+    # the shared expert's gate/up come out of the MoE front GEMM (2/3 of its bytes); its down-projection
+    # runs on the side stream (1/3)
+    assert shared_down == pytest.approx(shared / 3, rel=0.01)
+    assert routed == pytest.approx(experts, rel=0.01)
+
+
+def test_mla_layer_bytes(plans):
+    tp, by_bucket = plans
+    lp = by_bucket[1].by_kind()["mla+moe"]
+    attention = sum(float(l.weight_bytes) for l in lp.launches[:4]) / MB  # front, q_b, mla, o_proj
+    assert attention == pytest.approx({8: 84.6, 16: 57.4}[tp], rel=0.02)
+
+
+def test_plan_cli_json(capsys):
+    assert main(["plan", "--config", "kimi_k3", "--tp", "8", "--bucket", "1", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    kda = js["layer_types"]["kda+moe"]
+    assert kda["n_launches"] <= 8 and kda["count_in_model"] == 68
+    assert kda["floor_us"] == pytest.approx(kda["bytes"] / 4.2e12 * 1e6)
+    assert {l["stream"] for l in kda["launches"]} == {"main", "shared_expert"}
+    side = next(l for l in kda["launches"] if l["stream"] == "shared_expert")
+    assert side["waits"] and side["records"]
+
+
+def test_plan_cli_rejects_bad_tp(capsys):
+    assert main(["plan", "--config", "k3_mini", "--tp", "16"]) == 2
+    assert "does not divide" in capsys.readouterr().err

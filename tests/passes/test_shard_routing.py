@@ -1,0 +1,59 @@
+"""shard_routing: routing is identical on every rank and equal to the unsharded router, ties included."""
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from k3compile.models import ops
+
+from .harness import free_port
+
+E, HID, K = 16, 256, 4
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, HID, generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, HID, generator=g) / HID ** 0.5).to(torch.bfloat16)
+    # Ties: experts 3 and 12 (on different ranks at TP 2 and 4) have identical rows, so identical scores;
+    # expert 7 duplicates expert 5 within one shard. Bias 0 keeps the tie in the selection key too.
+    w[12] = w[3]
+    w[7] = w[5]
+    bias = torch.zeros(E)
+    bias[[3, 12]] = 0.6  # equal selection-only bias: the tied pair competes for the top-k places
+    bias[0] = 0.3
+    return x, w, bias
+
+
+def _worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x, w, bias = _inputs()
+        group = dist.group.WORLD.group_name
+        logits = torch.ops.k3.linear_gather(x, w, True, group, world, rank)
+        weights, ids = torch.ops.k3.moe_select(logits, bias, K, True, 1.0)
+        torch.save((logits, weights, ids), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_routing_identical_across_ranks_and_to_unsharded(tmp_path):
+    x, w, bias = _inputs()
+    ref_w, ref_ids = ops.moe_route(x, w, bias, K, True, 1.0)
+    scores = torch.sigmoid(torch.nn.functional.linear(x.float(), w.float()))
+    assert torch.equal(scores[:, 3], scores[:, 12]) and torch.equal(scores[:, 5], scores[:, 7])
+    picked = (ref_ids == 3) | (ref_ids == 12)
+    assert bool(picked.any()), "the test must route tokens to the tied experts"
+    for world in (2, 4):
+        mp.start_processes(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True,
+                           start_method="spawn")
+        results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+        for logits, weights, ids in results:
+            assert torch.equal(ids, results[0][2]) and torch.equal(weights, results[0][1])
+            assert torch.equal(ids, ref_ids), f"TP{world}: routing differs from the unsharded router"
+            assert torch.equal(weights, ref_w)
+            assert torch.equal(logits, torch.nn.functional.linear(x.float(), w.float()))
