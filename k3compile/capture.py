@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from k3compile.models import ops as ref
-from k3compile.models.model import DecodeState, K3Model
+from k3compile.models.model import K3Model
 
 # Model function -> dialect op name. The only place that knows how the eager model names its operations.
 SEMANTIC_FUNCTIONS = {

@@ -169,17 +169,17 @@ def _infer_tp(gm: torch.fx.GraphModule) -> int:
 
 
 def mark_dynamic_inputs(token_ids: torch.Tensor, state) -> None:
-    """The batch is symbolic; so is the state's capacity (a state of another size must not recompile)."""
+    """The batch is symbolic. The state's geometry (capacity, max_context) stays static: it is fixed for
+    a serving process, and a symbolic capacity makes ``state[:B]`` data-dependent on torch 2.11."""
     mark_batch_dynamic(token_ids)
-    for t in state.tensors():
-        torch._dynamo.mark_dynamic(t, 0)
 
 
 class CompiledDecode:
     """``k3compile.compile(model)``: call it like ``model.decode(token_ids, state)``.
 
     Every batch size up to the largest bucket runs without Dynamo recompiling: the batch dimension is
-    marked dynamic and sizes 0/1 are not specialised.
+    marked dynamic and sizes 0/1 are not specialised. A state of another capacity or ``max_context``
+    is another specialisation (one compile each); a serving process allocates its state once.
     """
 
     def __init__(self, model, options: Options):

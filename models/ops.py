@@ -90,9 +90,10 @@ def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         w1 = dequantize_static(w1_packed, w1_scale, dt)  # [E, I, L]
         w3 = dequantize_static(w3_packed, w3_scale, dt)
         w2 = dequantize_static(w2_packed, w2_scale, dt)  # [E, L, I]
-        gate = torch.matmul(z[None], w1.transpose(1, 2))  # [E, B, I]
-        up = torch.matmul(z[None], w3.transpose(1, 2))
-        y = torch.matmul(situ_glu(gate, up, beta, linear_beta), w2.transpose(1, 2))  # [E, B, L]
+        zs = z[None].expand(E, -1, -1)  # [E, B, L]; bmm keeps batch 1 unspecialised (matmul would not)
+        gate = torch.bmm(zs, w1.transpose(1, 2))  # [E, B, I]
+        up = torch.bmm(zs, w3.transpose(1, 2))
+        y = torch.bmm(situ_glu(gate, up, beta, linear_beta), w2.transpose(1, 2))  # [E, B, L]
         dense_w = torch.zeros(z.shape[0], E, dtype=torch.float32, device=z.device)
         dense_w = dense_w.scatter(1, ids, weights.float())  # [B, E]: 0 for experts a token did not pick
         return (y.float() * dense_w.t()[..., None]).sum(0).to(dt)

@@ -48,5 +48,6 @@ def all_gather_last(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     if tp.size == 1:
         return x
     import torch.distributed._functional_collectives as fc
-    g = fc.all_gather_tensor(x.contiguous(), 0, _group())  # [tp*B, N]
+    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor  # the former is newer than torch 2.11
+    g = gather(x.contiguous(), 0, _group())  # [tp*B, N]
     return torch.cat(torch.chunk(g, tp.size, dim=0), dim=-1)

@@ -75,3 +75,17 @@ def ckpt_copy(mini_ckpt, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(mini_ckpt, dst)
     return str(dst)
+
+
+@pytest.fixture(scope="session")
+def mini_model(model_bf16):
+    """The k3-mini model the compiler tests compile (bf16, read-only)."""
+    return model_bf16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts and ends with Dynamo's caches and counters cleared (recompile counts are asserted)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -7,25 +7,26 @@ exactly what the eager model computes, so logits and state must match bit for bi
 
 import logging
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
 import k3compile
 from k3compile.compiler import BucketError
+from gloo import run_gloo
 
 BATCHES = list(range(1, 17)) + [64]
 STEPS = 32
 
 
-def _decode_both(model, step, batch, steps, seed):
-    """Greedy-decode `steps` tokens from the same random start with eager and compiled; return max diff."""
+def _decode_both(model, step, batch, steps, seed, capacity=None):
+    """Greedy-decode `steps` tokens from the same random start with eager and compiled; return max diff.
+    Both use a state of ``capacity`` rows (one serving-process state for every batch size)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g)
-    ref_state, state = model.new_state(batch, steps), model.new_state(batch, steps)
+    cap = capacity or batch
+    ref_state, state = model.new_state(cap, steps), model.new_state(cap, steps)
     worst = 0.0
     for _ in range(steps):
         ref = model.decode(ids, ref_state)
@@ -40,7 +41,7 @@ def _decode_both(model, step, batch, steps, seed):
 def test_every_batch_size_matches_eager_without_recompiles(mini_model):
     compiled = k3compile.compile(mini_model)
     for batch in BATCHES:
-        assert _decode_both(mini_model, compiled, batch, STEPS, seed=batch) == 0.0, f"batch {batch}"
+        assert _decode_both(mini_model, compiled, batch, STEPS, seed=batch, capacity=64) == 0.0, f"batch {batch}"
         if batch == 1:
             first = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
     assert counters["stats"]["unique_graphs"] == first[0] == 1
@@ -87,35 +88,20 @@ def test_bad_options(mini_model):
         k3compile.compile(mini_model, buckets=(0, 4))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _tp_worker(rank, world, ckpt, out_dir):
+    from k3compile.models import load_pretrained
 
-
-def _tp_worker(rank, world, port, ckpt, out_dir):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        from k3compile.models import load_pretrained
-
-        model = load_pretrained(ckpt, tp_rank=rank, tp_size=world)
-        compiled = k3compile.compile(model, tp=world)
-        worst = {}
-        for batch in BATCHES:
-            worst[batch] = _decode_both(model, compiled, batch, STEPS, seed=batch)
-        torch.save({"worst": worst, "graphs": counters["stats"]["unique_graphs"],
-                    "backend_compiles": len(compiled.dispatchers)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    model = load_pretrained(ckpt, tp_rank=rank, tp_size=world)
+    compiled = k3compile.compile(model, tp=world)
+    worst = {}
+    for batch in BATCHES:
+        worst[batch] = _decode_both(model, compiled, batch, STEPS, seed=batch, capacity=64)
+    torch.save({"worst": worst, "graphs": counters["stats"]["unique_graphs"],
+                "backend_compiles": len(compiled.dispatchers)}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tp2_gloo_matches_eager(mini_ckpt, tmp_path):
-    mp.start_processes(_tp_worker, args=(2, _free_port(), mini_ckpt, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    run_gloo(_tp_worker, 2, mini_ckpt, str(tmp_path))
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         assert res["worst"] == {b: 0.0 for b in BATCHES}, res["worst"]

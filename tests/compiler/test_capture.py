@@ -2,7 +2,6 @@
 
 import pytest
 import sympy
-import torch
 
 from k3compile.capture import CaptureError, capture, capture_config
 from k3compile.models import K3Model, k3_mini

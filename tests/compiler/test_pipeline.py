@@ -3,7 +3,6 @@
 import os
 
 import pytest
-import torch
 
 from k3compile.compiler import Options, lower
 from k3compile.pipeline import (PASS_REGISTRY, K3Pass, PassConditionError, PassConfig, PassContext, PassResult,
@@ -93,7 +92,9 @@ def test_pipeline_options_validated():
     with pytest.raises(KeyError, match="unknown pass"):
         build_pipeline({"no_such_pass": {"enabled": False}})
     pipe = build_pipeline({"fuse_attn_res_norm": {"buckets": [2]}})
-    assert pipe.passes[-1].config.buckets == (2,)
+    by_name = {p.name: p for p in pipe.passes}
+    assert by_name["fuse_attn_res_norm"].config.buckets == (2,)
+    assert by_name["front_gemm"].config.buckets is None
 
 
 def test_dump_files_are_sortable_and_complete(mini_capture, tmp_path):

@@ -16,11 +16,11 @@ Tolerances:
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gloo import free_port
 from k3_tp_worker import run_rank
 from k3ref import rel_err, run_model
 
@@ -29,12 +29,6 @@ from k3compile.models import ConfigError, load_pretrained
 PLAN = [[5, 900], [17, 900, 3], [3, 1023, 77], [0, 42, 511]]
 FP32_TOL = 1e-4
 BF16_ROW_TOL = 0.2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def tp1(model_f32, pinned_routing_ckpt):
 @pytest.mark.parametrize("tp_size", [2, 4, 8])
 def test_tp_matches_tp1(tp_size, mini_ckpt, pinned_routing_ckpt, tp1, tmp_path):
     out = str(tmp_path / f"tp{tp_size}.pt")
-    mp.start_processes(run_rank, args=(tp_size, _free_port(), mini_ckpt, pinned_routing_ckpt, PLAN, out),
+    mp.start_processes(run_rank, args=(tp_size, free_port(), mini_ckpt, pinned_routing_ckpt, PLAN, out),
                        nprocs=tp_size, start_method="spawn")
     assert os.path.exists(out)
     got = torch.load(out)

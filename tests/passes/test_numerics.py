@@ -5,9 +5,9 @@ implementation composed of the eager model's own operations in the same order an
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from .harness import BUCKETS, PASSES, check_every_cut, free_port, tp_worker
+from gloo import run_gloo
+from harness import BUCKETS, PASSES, check_every_cut, tp_worker
 
 
 def _assert_exact(results, who):
@@ -22,7 +22,6 @@ def test_tp1_every_pass_every_bucket(mini_model):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_gloo_every_pass_every_bucket(world, mini_ckpt, tmp_path):
-    mp.start_processes(tp_worker, args=(world, free_port(), mini_ckpt, str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
+    run_gloo(tp_worker, world, mini_ckpt, str(tmp_path))
     for rank in range(world):
         _assert_exact(torch.load(tmp_path / f"rank{rank}.pt"), f"TP{world} rank {rank}")

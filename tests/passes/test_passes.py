@@ -5,14 +5,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from k3compile import dialect
 from k3compile.pipeline import PassConditionError, PassContext
 from k3compile.passes.prefetch_weights import PrefetchWeights
 from k3compile.passes.shared_expert_stream import SharedExpertStream
 
-from .harness import PASSES
+from harness import PASSES
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("K3_UPDATE_GOLDEN") == "1"

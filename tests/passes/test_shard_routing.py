@@ -3,11 +3,10 @@
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from k3compile.models import ops
 
-from .harness import free_port
+from gloo import run_gloo
 
 E, HID, K = 16, 256, 4
 
@@ -26,19 +25,15 @@ def _inputs():
     return x, w, bias
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, out_dir):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        x, w, bias = _inputs()
-        group = dist.group.WORLD.group_name
-        logits = torch.ops.k3.linear_gather(x, w, True, group, world, rank)
-        weights, ids = torch.ops.k3.moe_select(logits, bias, K, True, 1.0)
-        torch.save((logits, weights, ids), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    import k3compile.dialect  # noqa: F401  (registers the k3 ops in this rank)
+
+    x, w, bias = _inputs()
+    logits = torch.ops.k3.linear_gather(x, w, True, dist.group.WORLD.group_name, world, rank)
+    weights, ids = torch.ops.k3.moe_select(logits, bias, K, True, 1.0)
+    torch.save((logits, weights, ids), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_sharded_routing_identical_across_ranks_and_to_unsharded(tmp_path):
@@ -49,8 +44,7 @@ def test_sharded_routing_identical_across_ranks_and_to_unsharded(tmp_path):
     picked = (ref_ids == 3) | (ref_ids == 12)
     assert bool(picked.any()), "the test must route tokens to the tied experts"
     for world in (2, 4):
-        mp.start_processes(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True,
-                           start_method="spawn")
+        run_gloo(_worker, world, str(tmp_path))
         results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
         for logits, weights, ids in results:
             assert torch.equal(ids, results[0][2]) and torch.equal(weights, results[0][1])
