@@ -120,9 +120,6 @@ class BucketDispatcher:
         return self.graphs[bucket](*args)
 
 
-_CPU_NOTICE = [False]
-
-
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp_size: int | None = None,
                   tp_rank: int | None = None):
     """Backend entry: classify the inputs, lower for every bucket, return the dispatcher."""
@@ -152,10 +149,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp
         buckets = (b,)
     graphs = {b: lower(gm, inputs, tp_size=tp_size, bucket=b, options=options, batch_symbol=sym, tp_rank=tp_rank)
               for b in buckets}
-    if not torch.cuda.is_available() and not _CPU_NOTICE[0]:
+    if not torch.cuda.is_available():  # one line per compile
         log.warning("k3compile: no CUDA device; running the lowered graph through the K3 dialect's eager "
                     "implementations on the CPU")
-        _CPU_NOTICE[0] = True
     return BucketDispatcher(graphs, token_index, options, fallback=gm.forward)
 
 
