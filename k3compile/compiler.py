@@ -93,8 +93,8 @@ def lower(gm: torch.fx.GraphModule, inputs: list[InputInfo], *, tp_size: int, bu
 class BucketDispatcher:
     """What the backend hands back to Dynamo: picks the lowered graph of the batch's bucket.
 
-    On a machine without a CUDA device the lowered graph runs through the dialect's eager
-    implementations (the CPU path); the GPU runtime replaces this with kernel launches.
+    Until the GPU runtime exists, the lowered graph runs through the dialect's eager implementations;
+    the runtime replaces them with kernel launches.
     """
 
     def __init__(self, graphs: dict[int, torch.fx.GraphModule], token_index: int, options: Options,
@@ -110,14 +110,19 @@ class BucketDispatcher:
         batch = args[self.token_index].shape[0]
         bucket = bucket_for(batch, self.buckets)
         if bucket is None:
-            if self.options.eager_fallback and self.fallback is not None:
-                log.warning("k3compile: batch %d is above the largest bucket %d; running eager (eager_fallback)",
-                            batch, self.buckets[-1])
-                return self.fallback(*args)
-            raise BucketError(f"batch {batch} is above the largest compiled bucket {self.buckets[-1]}; compile with "
-                              f"buckets=(..., {max(batch, 2 * self.buckets[-1])}) or options eager_fallback=True")
+            above_largest_bucket(batch, self.buckets, self.options)
+            return self.fallback(*args)
         self.calls[bucket] += 1
         return self.graphs[bucket](*args)
+
+
+def above_largest_bucket(batch: int, buckets: Sequence[int], options: Options) -> None:
+    """A batch above every bucket: raise, or (eager_fallback) log that eager runs instead."""
+    if not options.eager_fallback:
+        raise BucketError(f"batch {batch} is above the largest compiled bucket {buckets[-1]}; compile with "
+                          f"buckets=(..., {max(batch, 2 * buckets[-1])}) or options eager_fallback=True")
+    log.warning("k3compile: batch %d is above the largest bucket %d; running eager (eager_fallback)", batch,
+                buckets[-1])
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp_size: int | None = None,
@@ -194,12 +199,8 @@ class CompiledDecode:
     def __call__(self, token_ids: torch.Tensor, state) -> torch.Tensor:
         B = token_ids.shape[0]
         if bucket_for(B, self.options.buckets) is None:
-            if self.options.eager_fallback:
-                log.warning("k3compile: batch %d above the largest bucket %d; running eager (eager_fallback)",
-                            B, self.options.buckets[-1])
-                return self.model.decode(token_ids, state)
-            raise BucketError(f"batch {B} is above the largest compiled bucket {self.options.buckets[-1]}; compile "
-                              f"with buckets=(..., {max(B, 2 * self.options.buckets[-1])}) or eager_fallback=True")
+            above_largest_bucket(B, self.options.buckets, self.options)
+            return self.model.decode(token_ids, state)
         mark_dynamic_inputs(token_ids, state)
         with symbolic_batch():
             return self._compiled(token_ids, state)
