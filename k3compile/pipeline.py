@@ -109,7 +109,7 @@ class PassRecord:
             return f"{self.index:02d} {self.name:<28} skipped ({self.notes})"
         return (f"{self.index:02d} {self.name:<28} matches={self.match_count:<4} "
                 f"+{self.nodes_added}/-{self.nodes_removed} nodes  {'changed' if self.changed else 'unchanged'}"
-                f"  {1e3 * self.time_s:.1f} ms")
+                f"  {1e3 * self.time_s:.1f} ms" + (f"  ({self.notes})" if self.notes else ""))
 
 
 PASS_REGISTRY: dict[str, type["K3Pass"]] = {}

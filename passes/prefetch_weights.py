@@ -77,7 +77,8 @@ class PrefetchWeights(K3Pass):
             p.meta["k3_created_by"] = self.name
             p.meta["k3_provenance"] = [f"before {n.name}"]
             count += 1
-        return PassResult(match_count=count, changed=count > 0)
+        return PassResult(match_count=count, changed=count > 0,
+                          notes="" if ctx.tp_size > 1 else "TP 1: no collective to hide a prefetch behind")
 
     def ensures(self, gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         weights = ctx.weight_names()
