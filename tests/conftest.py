@@ -7,25 +7,13 @@ changes weights loads its own copy.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 
 import pytest
 import torch
-
-
-@contextlib.contextmanager
-def one_thread():
-    """One intra-op thread: k3-mini's ops are tiny, and OpenMP spin-waiting makes them ~10x slower
-    when the machine's cores are shared. Restores the previous setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from cpu import one_thread
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import k3compile
 from k3compile.compiler import BucketError
-from gloo import run_gloo
+from cpu import run_gloo
 
 BATCHES = list(range(1, 17)) + [64]
 STEPS = 32

@@ -1,7 +1,7 @@
 """Settings for the eager-model tests (fixtures shared with other suites live in tests/conftest.py)."""
 
 import pytest
-from k3ref import one_thread
+from cpu import one_thread
 
 
 @pytest.fixture(autouse=True)

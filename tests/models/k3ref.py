@@ -16,20 +16,9 @@ model matches the right form *and* that the wrong form would be measurably diffe
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
-
-@contextlib.contextmanager
-def one_thread():
-    """One intra-op thread for k3-mini's tiny ops (see tests/models/conftest.py); restores the setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 P = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"

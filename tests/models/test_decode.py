@@ -4,7 +4,8 @@ untouched), activation scale and routing health, and generate()."""
 
 import pytest
 import torch
-from k3ref import PLAN, Reference, max_rel_err, one_thread, rel_err, run_model
+from cpu import one_thread
+from k3ref import PLAN, Reference, max_rel_err, rel_err, run_model
 
 from k3compile.models import sample
 from k3compile.models.layers import KDAState

@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 from k3ref import PLAN, Reference, attn_res as ref_attn_res, dequant_mxfp4, max_rel_err, mla_full_ref, rel_err
-from k3ref import one_thread, rewrite_safetensors, rope, run_model, situ as ref_situ
+from cpu import one_thread
+from k3ref import rewrite_safetensors, rope, run_model, situ as ref_situ
 
 from k3compile.models import K3Model, k3_mini, kimi_k3, load_pretrained, mxfp4, ops
 from k3compile.models import layers as layers_mod

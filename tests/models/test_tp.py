@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from gloo import free_port
+from cpu import free_port
 from k3_tp_worker import run_rank
 from k3ref import rel_err, run_model
 
@@ -33,7 +33,7 @@ BF16_ROW_TOL = 0.2
 
 @pytest.fixture(scope="module")
 def tp1(model_f32, pinned_routing_ckpt):
-    from k3ref import one_thread
+    from cpu import one_thread
 
     with one_thread():
         return {"fp32": run_model(model_f32, PLAN)[0], "bf16": run_model(load_pretrained(pinned_routing_ckpt), PLAN)[0]}

@@ -6,7 +6,7 @@ implementation composed of the eager model's own operations in the same order an
 import pytest
 import torch
 
-from gloo import run_gloo
+from cpu import run_gloo
 from harness import BUCKETS, PASSES, check_every_cut, tp_worker
 
 

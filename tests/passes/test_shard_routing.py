@@ -6,7 +6,7 @@ import torch
 
 from k3compile.models import ops
 
-from gloo import run_gloo
+from cpu import run_gloo
 
 E, HID, K = 16, 256, 4
 

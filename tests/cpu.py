@@ -1,11 +1,25 @@
-"""Run a function in ``world`` CPU processes joined in a gloo group (TP tests on machines without GPUs)."""
+"""CPU test helpers: one intra-op thread, and running a function in ``world`` processes joined in a gloo
+group (the TP tests on machines without GPUs)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import torch
 import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread: k3-mini's ops are tiny, and OpenMP spin-waiting makes them ~10x slower
+    when the machine's cores are shared. Restores the previous setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_port() -> int:
