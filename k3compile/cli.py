@@ -55,6 +55,49 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_codegen(args) -> int:
+    from pathlib import Path
+
+    from k3compile.models import get_config
+
+    from .codegen import plan_points, summary, write
+    from .compiler import check_buckets, check_tp
+
+    if args.examples is not None:
+        from .codegen import example_points
+
+        labels = [x for x in args.examples.split(",") if x] or None
+        cg = example_points(args.templates.split(",") if args.templates else None, labels, arch=args.arch)
+    else:
+        cfg = get_config(args.config)
+        for tp in args.tp:
+            check_tp(tp)
+            cfg.check_tp(tp)
+        cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch)
+    manifest = write(cg, Path(args.out), compile=not args.no_compile, package=args.package, workers=args.jobs)
+    print(summary(manifest))
+    print(f"wrote {args.out}/manifest.json and {len(manifest['kernels'])} kernel sources"
+          + (" with .so packages" if manifest["packaged"] else ""))
+    if args.strict and manifest["coverage"]["uncovered"]:
+        print("k3compile codegen: error: --strict and some plan launches have no kernel (listed above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench_kernels(args) -> int:
+    from .bench_kernels import run
+
+    return run(args.package, out_json=args.json, seeds=args.seeds, only=args.only, timing=not args.check_only)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="k3compile",
@@ -77,6 +120,37 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--bandwidth", type=float, default=4.2e12, help="HBM bandwidth in bytes/s for the floor")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.set_defaults(func=cmd_plan)
+    cg = sub.add_parser("codegen", help="render (and compile/package) the CuTe DSL kernels of the plan",
+                        description="Map every plan launch at every (TP, bucket) to kernel template instances, write "
+                                    "one readable .py per distinct kernel plus manifest.json, compile them for the "
+                                    "arch in parallel processes (disk-cached) and, with --package, link TVM-FFI .so "
+                                    "files loadable on a GPU host without the compiler. No GPU needed.")
+    cg.add_argument("--config", default="k3_mini", help="k3_mini, kimi_k3, slice[:N] or a config.json path")
+    cg.add_argument("--tp", type=_int_list, default=(1,), help="TP sizes, e.g. 1,2,4,8")
+    cg.add_argument("--buckets", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64), help="batch buckets")
+    cg.add_argument("--arch", default="sm_90a", help="GPU arch to compile for (sm_90a)")
+    cg.add_argument("-o", "--out", required=True, help="output directory")
+    cg.add_argument("--package", action="store_true", help="also export and link .so files + the CuTe runtime")
+    cg.add_argument("--no-compile", action="store_true", help="only render the sources and the manifest")
+    cg.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
+    cg.add_argument("--strict", action="store_true", help="fail when a plan launch has no kernel")
+    cg.add_argument("--examples", nargs="?", const="", default=None, metavar="PREFIXES",
+                    help="instead of a plan: every template's example points (k3-mini and real K3 TP8-shard "
+                         "shapes), optionally only labels starting with PREFIXES (e.g. mini_,k3tp8_b1)")
+    cg.add_argument("--templates", help="with --examples: only these templates (comma-separated)")
+    cg.set_defaults(func=cmd_codegen)
+    bk = sub.add_parser("bench-kernels", help="check and time every kernel of a package on the GPU",
+                        description="For every kernel of a prebuilt package (codegen --package, e.g. --examples): "
+                                    "correctness against the template's float64 reference on fresh random inputs "
+                                    "with NaN-poisoned outputs, then its time inside a CUDA graph (inputs rotated "
+                                    "past the L2), its byte floor and %% of the copy bandwidth measured in the same "
+                                    "run, beside torch doing the same math. Prints a table, writes JSON.")
+    bk.add_argument("--package", required=True, help="package directory (codegen --package output)")
+    bk.add_argument("--json", default="bench_kernels.json", help="where to write the results")
+    bk.add_argument("--seeds", type=int, default=2, help="correctness checks per kernel (fresh inputs each)")
+    bk.add_argument("--only", help="only kernels whose example label or name contains this")
+    bk.add_argument("--check-only", action="store_true", help="correctness only, no timing")
+    bk.set_defaults(func=cmd_bench_kernels)
     return p
 
 
@@ -88,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ValueError, KeyError, TypeError) as e:  # bad input: one clear line, no traceback
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # bad input: one clear line, no traceback
         print(f"k3compile {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -53,13 +53,15 @@ class Launch:
     prefetch_bytes: int = 0
     waits: list = field(default_factory=list)
     records: list = field(default_factory=list)
+    fx: object = field(default=None, repr=False, compare=False)  # the lowered graph's node (codegen reads it)
 
     def bytes(self, b: int) -> int:
         return int(sympy.ceiling((self.weight_bytes + self.act_bytes + self.state_bytes).subs(B, b)))
 
     def as_dict(self, b: int) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(self).items()
-             if k not in ("weight_bytes", "act_bytes", "state_bytes", "flops")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("weight_bytes", "act_bytes", "state_bytes", "flops", "fx")}
+        d = {k: list(v) if isinstance(v, list) else v for k, v in d.items()}
         for k in ("weight_bytes", "act_bytes", "state_bytes", "flops"):
             d[k] = int(sympy.ceiling(getattr(self, k).subs(B, b)))
         return d
@@ -293,7 +295,7 @@ def build_plan(gm: torch.fx.GraphModule, *, config, tp: int, bucket: int, contex
             for j, name in enumerate(names):
                 share = sympy.Rational(1, len(names))
                 la = Launch(name=name, op=dialect.op_name(node), node=node.name, kernel=kernel,
-                            stream=node.meta.get("k3_stream", "main"), inputs=inputs_desc,
+                            stream=node.meta.get("k3_stream", "main"), inputs=inputs_desc, fx=node,
                             weight_bytes=w * share, act_bytes=a * share, state_bytes=s * share, flops=f * share)
                 if j == 0 and pending_prefetch:
                     la.prefetch_bytes, pending_prefetch = pending_prefetch, 0
@@ -381,11 +383,12 @@ def representative(config):
                             f"whole-model totals weight each type by its count in all {config.num_hidden_layers} layers")
 
 
-def plans_for(config, *, tp: int, buckets, context: int = 0) -> dict[int, KernelPlan]:
-    """One capture, one lowering and one plan per bucket."""
+def plans_for(config, *, tp: int, buckets, context: int = 0, every_layer: bool = False) -> dict[int, KernelPlan]:
+    """One capture, one lowering and one plan per bucket (of the representative prefix of the layers, or
+    of ``every_layer``: codegen needs every layer, since e.g. the AttnRes block count grows with depth)."""
     check_tp(tp)
     config.check_tp(tp)
-    rep, note = representative(config)
+    rep, note = (config, "") if every_layer else representative(config)
     cap = capture_config(rep, tp_size=tp)
     out = {}
     for b in buckets:

@@ -77,3 +77,12 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    """Kernel compiles share one disk cache within a test run (fresh per run, so CI really compiles);
+    set K3COMPILE_CACHE yourself to keep one across runs."""
+    if "K3COMPILE_CACHE" not in os.environ:
+        os.environ["K3COMPILE_CACHE"] = str(tmp_path_factory.mktemp("k3compile_cache"))
+    yield

@@ -1,0 +1,115 @@
+"""``k3compile bench-kernels``: check and time every kernel of a prebuilt package on the GPU.
+
+For each kernel: the template point is rebuilt from the manifest (template name + parameters) and must
+have the same name as the packaged kernel (same template source, constants and arch), so a package built
+from other template sources is refused rather than checked against the wrong reference. Then:
+
+1. correctness, ``--seeds`` times, each on fresh random inputs with NaN-poisoned outputs, against the
+   template's float64 reference (``kernel_check.check``);
+2. time per call inside a CUDA graph over input sets rotated past the L2 (``kernel_check.graph_time_us``);
+3. the floor: the bytes the kernel must move (``Template.bytes``) / the device-to-device copy bandwidth
+   measured at the start of the same run; reported as floor/time = "% of copy bandwidth";
+4. beside it, torch doing the same math (``Template.torch_baseline``), timed the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+from .package import KernelPackage, PackageError
+
+
+def _point(name: str, entry: dict):
+    from .templates import get
+
+    p = get(entry["template"]).point(arch=entry["arch"], **entry["parameters"])
+    if p.name != name:
+        raise PackageError(f"kernel {name} was built from other template sources than this checkout's "
+                           f"{entry['template']} (rebuilt point is {p.name}). Fix: rebuild the package with this "
+                           f"checkout (k3compile codegen ... --package)")
+    return p
+
+
+def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = None, timing: bool = True) -> int:
+    import torch
+
+    from . import kernel_check as kc
+
+    if not torch.cuda.is_available():
+        print("k3compile bench-kernels: error: no CUDA GPU visible (torch.cuda.is_available() is False). Fix: run "
+              "it on the GPU host; CPU machines can only build packages (codegen --package)", file=sys.stderr)
+        return 2
+    pkg = KernelPackage(package_dir)
+    names = [n for n, k in sorted(pkg.kernels.items(), key=lambda kv: (kv[1].get("example", ""), kv[0]))
+             if not only or only in n or only in pkg.kernels[n].get("example", "")]
+    bw = kc.measure_copy_bandwidth() if timing else None
+    rows, failed = [], 0
+    for name in names:
+        entry = pkg.kernels[name]
+        point = _point(name, entry)
+        fn = pkg.function(name)
+        row = {"kernel": name, "example": entry.get("example", ""), "template": entry["template"],
+               "bytes": point.template.bytes(point.c), "flops": point.template.flops(point.c)}
+        try:
+            checks = [kc.check(point, fn, seed=1000 + 17 * i + hash(name) % 1000) for i in range(seeds)]
+            row["checks"] = checks
+            row["ok"] = all(c["ok"] for c in checks)
+        except Exception as e:  # noqa: BLE001 - a crashing kernel is a failed row, the run goes on
+            row["ok"], row["error"] = False, f"{type(e).__name__}: {e}"
+        if timing and row["ok"]:
+            try:
+                sets = kc.input_sets(point, seed=7)
+                order = [a.name for a in point.args()]
+                row["us"] = kc.graph_time_us([lambda d=d: fn(*[d[k] for k in order]) for d in sets])
+                base = [point.template.torch_baseline(point.c, d) for d in sets]
+                if all(b is not None for b in base):
+                    row["torch_us"] = kc.graph_time_us(base)
+                row["floor_us"] = row["bytes"] / bw * 1e6
+                row["pct_of_copy_bw"] = 100 * row["floor_us"] / row["us"]
+                del sets
+            except Exception as e:  # noqa: BLE001
+                row["timing_error"] = f"{type(e).__name__}: {e}"
+        failed += not row["ok"]
+        rows.append(row)
+        _print_row(row)
+        torch.cuda.empty_cache()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "host": platform.node(), "package": str(package_dir),
+              "copy_bandwidth_Bps": bw, "kernels": rows, "failed": failed}
+    with open(out_json, "w") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    print(table(result))
+    return 1 if failed else 0
+
+
+def _print_row(r: dict) -> None:
+    status = "ok" if r["ok"] else "FAIL"
+    errs = ""
+    if r.get("checks"):
+        worst = {}
+        for c in r["checks"]:
+            for k, v in c["errors"].items():
+                worst[k] = max(worst.get(k, 0), v)
+        errs = " ".join(f"{k}={v:.2g}" for k, v in worst.items())
+    extra = r.get("error") or "; ".join(p for c in r.get("checks", []) for p in c["problems"])
+    print(f"{status:4} {r['example'] or r['kernel']:<42} {errs} {extra}", flush=True)
+
+
+def table(result: dict) -> str:
+    bw = result["copy_bandwidth_Bps"]
+    lines = [f"bench-kernels on {result['device']} ({result['date']}); copy bandwidth "
+             + (f"{bw / 1e12:.2f} TB/s" if bw else "not measured"),
+             f"{'example':<34} {'MB':>8} {'floor us':>9} {'kernel us':>10} {'% copy bw':>10} {'torch us':>9} "
+             f"{'check':>6}"]
+    for r in result["kernels"]:
+        us = f"{r['us']:.1f}" if "us" in r else "-"
+        pct = f"{r['pct_of_copy_bw']:.0f}%" if "pct_of_copy_bw" in r else "-"
+        fl = f"{r['floor_us']:.1f}" if "floor_us" in r else "-"
+        tu = f"{r['torch_us']:.1f}" if "torch_us" in r else "-"
+        lines.append(f"{(r['example'] or r['kernel'])[:34]:<34} {r['bytes'] / 1e6:>8.2f} {fl:>9} {us:>10} {pct:>10} "
+                     f"{tu:>9} {'ok' if r['ok'] else 'FAIL':>6}")
+    lines.append(f"{len(result['kernels']) - result['failed']} of {len(result['kernels'])} kernels correct")
+    return "\n".join(lines)

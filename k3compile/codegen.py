@@ -1,0 +1,394 @@
+"""Offline codegen: kernel plan -> template points -> rendered CuTe DSL files -> (compiled) package.
+
+For every (TP, bucket) point the plan of every layer is lowered; each plan launch maps to the template
+points that implement it (``_LOWERING``: one function per dialect op, reading the op's FX arguments for
+shapes and constants). Identical points (same template, constants and arch) are one kernel, listed once
+with every plan entry it serves. What has no template yet is listed as *uncovered* with the reason, in
+the manifest and on the console: codegen never pretends.
+
+Output directory::
+
+    manifest.json                  kernels (template, constants, arguments, bytes, FLOPs, source hash,
+                                   ptxas report, the plan entries it implements) and, per (TP, bucket)
+                                   and layer kind, each plan launch -> kernels | uncovered reason
+    kernels/<name>/kernel.py       rendered source (header: template, point, constants, plan entries)
+    kernels/<name>/kernel.ptx/.cubin/report.json       (unless --no-compile)
+    kernels/<name>/kernel.so       (--package) + runtime/libcute_dsl_runtime.so
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import dialect
+from .graph_text import node_value
+from .templates import get as get_template
+from .templates.base import Point, TemplateError
+
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class Entry:
+    """One plan launch at one (TP, bucket): what it is and the kernels that implement it."""
+    tp: int
+    bucket: int
+    layer_kind: str
+    layer: int
+    launch: str
+    op: str
+    node: str
+    kernels: list[str] = field(default_factory=list)
+    uncovered: str = ""
+    note: str = ""
+
+
+# -------------------------------------------------------------------------------------------- lowering
+def _shape(n) -> tuple[int, ...]:
+    return tuple(int(d) for d in node_value(n).shape)
+
+
+def _arg(node, name: str):
+    """A dialect node's argument by schema name (positional or keyword)."""
+    names = [a.name for a in node.target._schema.arguments]
+    i = names.index(name)
+    return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+
+
+def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0):
+    return ("gemv", dict(bucket=bucket, n=n, k=k, n_f32=n_f32, pro=pro, eps=eps, beta=beta, linear_beta=linear_beta))
+
+
+def _rows(node, tp: int, gather: bool) -> int:
+    rows = _shape(node)[0]
+    return rows // tp if gather and tp > 1 else rows
+
+
+def _lower_front_gemm(node, b, tp):
+    x, ws, fp32, gather = (_arg(node, a) for a in ("x", "weights", "fp32", "gather"))
+    k = _shape(x)[-1]
+    n_f32 = sum(_rows(w, tp, g) for w, f, g in zip(ws, fp32, gather) if f)
+    n = sum(_rows(w, tp, g) for w, g in zip(ws, gather))
+    note = "weights concatenated at load (fp32 entries first); " + (
+        "gathered entries: this rank's rows, all-gathered after the kernel" if tp > 1 and any(gather) else "")
+    return [_gemv(b, n, k, n_f32=n_f32)], note.rstrip("; ")
+
+
+def _lower_linear(node, b, tp):
+    return [_gemv(b, _shape(_arg(node, "weight"))[0], _shape(_arg(node, "x"))[-1])], ""
+
+
+def _lower_linear_gather(node, b, tp):
+    w = _arg(node, "weight")
+    n = _rows(w, tp, True)
+    return [_gemv(b, n, _shape(w)[1], n_f32=n if _arg(node, "fp32") else 0)], \
+        "this rank's rows; all-gathered after the kernel" if tp > 1 else ""
+
+
+def _lower_rms_norm_linear(node, b, tp):
+    w = _arg(node, "weight")
+    return [_gemv(b, _shape(w)[0], _shape(w)[1], pro="rms_norm", eps=float(_arg(node, "eps")))], ""
+
+
+def _lower_lm_head(node, b, tp):
+    w = _arg(node, "weight")
+    n = _shape(w)[0]
+    return [_gemv(b, n, _shape(w)[1], n_f32=n, pro="rms_norm", eps=float(_arg(node, "eps")))], ""
+
+
+def _lower_situ_linear(node, b, tp):
+    w = _arg(node, "weight")
+    return [_gemv(b, _shape(w)[0], _shape(w)[1], pro="situ", beta=float(_arg(node, "beta")),
+                  linear_beta=float(_arg(node, "linear_beta")))], ""
+
+
+def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps):
+    return ("residual_attn_res", dict(bucket=b, d=d, nb=nb, add=add, has_prefix=has_prefix, out_norm=out_norm,
+                                      eps=eps, out_eps=out_eps))
+
+
+def _nb(blocks) -> int:
+    return _shape(blocks)[1]
+
+
+def _lower_rms_norm(node, b, tp):
+    return [("rms_norm", dict(bucket=b, n=_shape(_arg(node, "x"))[-1], eps=float(_arg(node, "eps"))))], ""
+
+
+def _lower_attn_res(node, b, tp):
+    blocks = _arg(node, "blocks")
+    return [_residual(b, _shape(blocks)[-1], _nb(blocks), add=False, has_prefix=True, out_norm=False,
+                      eps=float(_arg(node, "eps")), out_eps=1e-6)], ""
+
+
+def _lower_attn_res_rms_norm(node, b, tp):
+    blocks = _arg(node, "blocks")
+    return [_residual(b, _shape(blocks)[-1], _nb(blocks), add=False, has_prefix=True, out_norm=True,
+                      eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))], ""
+
+
+def _lower_oproj_residual_norm(node, b, tp):
+    w, blocks = _arg(node, "weight"), _arg(node, "blocks")
+    n, k = _shape(w)
+    res = _residual(b, n, _nb(blocks), add=True, has_prefix=_arg(node, "prefix") is not None, out_norm=True,
+                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))
+    note = "two kernels until the GEMV epilogue runs the residual/AttnRes/RMSNorm row step itself"
+    if tp > 1:
+        note += "; the all-reduce between them is the identity in single-GPU emulation"
+    return [_gemv(b, n, k), res], note
+
+
+def _lower_ffn_tail_norm(node, b, tp):
+    if _arg(node, "latent_partial") is not None:
+        raise _Uncovered("latent up-projection + two-addend residual: no template yet (GEMV with an "
+                         "RMSNorm prologue and a residual epilogue over two partial sums)")
+    blocks = _arg(node, "blocks")
+    res = _residual(b, _shape(blocks)[-1], _nb(blocks), add=True, has_prefix=True, out_norm=True,
+                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))
+    return [res], "all-reduce of the partial is the identity at TP 1 / in single-GPU emulation" if tp > 1 else ""
+
+
+def _lower_routed_experts(node, b, tp):
+    w1 = _arg(node, "w1_packed")
+    e, inter, half_l = _shape(w1)
+    params = dict(bucket=b, n_experts=e, top_k=int(_arg(node, "top_k")), latent=2 * half_l, inter=inter,
+                  renormalize=bool(_arg(node, "renormalize")), scaling_factor=float(_arg(node, "scaling_factor")),
+                  beta=float(_arg(node, "beta")), linear_beta=float(_arg(node, "linear_beta")))
+    return [("moe_gate_up", params), ("moe_down_combine", params)], ""
+
+
+def _lower_kda(node, b, tp):
+    a_log = _arg(node, "a_log")
+    f_b = _arg(node, "f_b_weight")
+    params = dict(bucket=b, heads=_shape(a_log)[0], head_dim=int(_arg(node, "head_dim")), rank=_shape(f_b)[1],
+                  conv_width=_shape(_arg(node, "q_conv_weight"))[-1], lower_bound=float(_arg(node, "lower_bound")),
+                  eps=float(_arg(node, "eps")))
+    return [("kda_decode", params)], ""
+
+
+def _lower_mla(node, b, tp):
+    kv_b = _arg(node, "kv_b_weight")
+    nope, vdim = int(_arg(node, "nope_dim")), int(_arg(node, "v_dim"))
+    c = _shape(kv_b)[1]
+    heads = _shape(kv_b)[0] // (nope + vdim)
+    rope = _shape(_arg(node, "kv"))[-1] - c
+    params = dict(bucket=b, heads=heads, nope=nope, rope=rope, v=vdim, kv_lora=c,
+                  lmax=_shape(_arg(node, "cache"))[1], kv_eps=float(_arg(node, "kv_eps")),
+                  scale=float(_arg(node, "scale")))
+    return [("mla_decode", params)], ""
+
+
+class _Uncovered(Exception):
+    pass
+
+
+_LOWERING = {
+    "front_gemm": _lower_front_gemm, "linear": _lower_linear, "linear_gather": _lower_linear_gather,
+    "rms_norm_linear": _lower_rms_norm_linear, "lm_head": _lower_lm_head, "situ_linear": _lower_situ_linear,
+    "rms_norm": _lower_rms_norm, "attn_res": _lower_attn_res, "attn_res_rms_norm": _lower_attn_res_rms_norm,
+    "oproj_residual_norm": _lower_oproj_residual_norm, "ffn_tail_norm": _lower_ffn_tail_norm,
+    "routed_experts": _lower_routed_experts, "kda_decode_fb": _lower_kda, "mla_decode_latent": _lower_mla,
+}
+
+
+# -------------------------------------------------------------------------------------------- codegen
+@dataclass
+class Codegen:
+    config: str
+    arch: str
+    tps: tuple[int, ...]
+    buckets: tuple[int, ...]
+    points: dict[str, Point] = field(default_factory=dict)  # kernel name -> point
+    entries: list[Entry] = field(default_factory=list)
+    params: dict[str, dict] = field(default_factory=dict)  # kernel name -> template params
+    examples: dict[str, str] = field(default_factory=dict)  # kernel name -> "<template>:<label>" (examples mode)
+
+    def uncovered(self) -> list[Entry]:
+        return [e for e in self.entries if e.uncovered]
+
+    def implements(self, name: str) -> list[dict]:
+        return [{"tp": e.tp, "bucket": e.bucket, "layer_kind": e.layer_kind, "layer": e.layer, "launch": e.launch,
+                 "node": e.node} for e in self.entries if name in e.kernels]
+
+
+def plan_points(config, *, tps, buckets, arch: str = "sm_90a") -> Codegen:
+    """Lower every layer at every (TP, bucket) and map each plan launch to template points."""
+    from .plan import plans_for
+
+    cg = Codegen(config.name, arch, tuple(tps), tuple(buckets))
+    for tp in tps:
+        plans = plans_for(config, tp=tp, buckets=buckets, every_layer=True)
+        for b, plan in plans.items():
+            for lp in plan.layers:
+                groups: dict = {}  # one op can be several launches (routed experts: gate/up, down+combine)
+                for la in lp.launches:
+                    if la.fx is not None and dialect.is_k3(la.fx):  # unfused torch ops: run by the runtime
+                        groups.setdefault(la.fx, []).append(la)
+                for node, las in groups.items():
+                    es = [Entry(tp, b, lp.kind, lp.layer, la.name, la.op, la.node) for la in las]
+                    cg.entries.extend(es)
+                    _map(cg, node, es, b, tp, arch)
+    return cg
+
+
+def example_points(templates=None, labels=None, arch: str = "sm_90a") -> Codegen:
+    """The templates' own example points (k3-mini and real K3 TP8-shard shapes): what the kernel tests and
+    ``bench-kernels`` run. ``labels`` filters by label prefix (e.g. ``mini_``)."""
+    from .templates import TEMPLATES
+
+    cg = Codegen("template examples", arch, (), ())
+    for tname in templates or sorted(TEMPLATES):
+        t = get_template(tname)
+        for label, params in t.examples().items():
+            if labels and not any(label.startswith(x) for x in labels):
+                continue
+            p = t.point(arch=arch, **params)
+            cg.points.setdefault(p.name, p)
+            cg.params.setdefault(p.name, params)
+            cg.examples.setdefault(p.name, f"{tname}:{label}")
+    return cg
+
+
+def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str) -> None:
+    op = es[0].op
+    lower = _LOWERING.get(op)
+    try:
+        if lower is None:
+            raise _Uncovered(f"no template for dialect op {op}")
+        specs, note = lower(node, b, tp)
+        names = []
+        for tname, params in specs:
+            try:
+                p = get_template(tname).point(arch=arch, **params)
+            except TemplateError as why:
+                raise _Uncovered(f"{tname}: {why}") from None
+            cg.points.setdefault(p.name, p)
+            cg.params.setdefault(p.name, params)
+            names.append(p.name)
+    except _Uncovered as why:
+        for e in es:
+            e.uncovered = str(why)
+        return
+    if len(es) == len(names):  # one kernel per planned launch
+        for e, n in zip(es, names):
+            e.kernels, e.note = [n], note
+    else:  # more kernels than the plan counts (a fusion the templates do not do yet): all on the first
+        es[0].kernels, es[0].note = names, note
+    return cg
+
+
+def _header(cg: Codegen, name: str) -> list[str]:
+    p = cg.points[name]
+    uses = cg.implements(name)
+    pts = sorted({(u["tp"], u["bucket"]) for u in uses})
+    where = sorted({f"{u['layer_kind']}/{u['launch']}" for u in uses})
+    lines = [f"kernel: {name}"]
+    if name in cg.examples:
+        lines.append(f"example point {cg.examples[name]} of the template (kernel tests, bench-kernels)")
+    else:
+        lines += [f"config: {cg.config}; (TP, bucket) points: " + ", ".join(f"({t}, {b})" for t, b in pts),
+                  f"implements: {', '.join(where)}"]
+    lines += ["parameters: " + ", ".join(f"{k}={v!r}" for k, v in sorted(cg.params[name].items())),
+              "arguments: " + ", ".join(f"{a.name}[{a.role}] {a.dtype}{list(a.shape)}" for a in p.args())]
+    return lines
+
+
+def write(cg: Codegen, out: Path, *, compile: bool = True, package: bool = False, workers: int | None = None,
+          quiet: bool = False) -> dict:
+    """Render every kernel into ``out``, compile (and package) them; returns the manifest."""
+    from . import build
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(cg.points)
+    jobs = [build.job_for(cg.points[n], package=package, header=_header(cg, n)) for n in names]
+    sources = {j.name: j.source for j in jobs}
+    reports: dict[str, dict] = {}
+    if compile:
+        t0 = time.time()
+        reports = build.build(jobs, out / "kernels", workers=workers,
+                              progress=None if quiet else _progress(len(jobs), t0))
+        if not quiet:
+            print(file=sys.stderr)
+        if package:
+            rt = out / "runtime"
+            rt.mkdir(exist_ok=True)
+            shutil.copy2(build.runtime_library(), rt / "libcute_dsl_runtime.so")
+    for n in names:  # after the build: a cached kernel.py may carry another run's header comments
+        d = out / "kernels" / n
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "kernel.py").write_text(sources[n])
+    manifest = _manifest(cg, sources, reports, compiled=compile, packaged=package and compile)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def _progress(total: int, t0: float):
+    tty = sys.stderr.isatty()
+
+    def show(name, rep, done, _total):
+        bar = "#" * int(30 * done / total)
+        tag = "cached" if rep.get("cached") else f"{rep['compile_s']:.1f}s"
+        msg = f"[{bar:<30}] {done}/{total} {name} ({tag}) {time.time() - t0:.0f}s"
+        print(("\r" + msg.ljust(100)) if tty else msg, end="" if tty else "\n", file=sys.stderr, flush=True)
+    return show
+
+
+def _manifest(cg: Codegen, sources: dict, reports: dict, *, compiled: bool, packaged: bool) -> dict:
+    from .build import versions
+
+    kernels = {}
+    for n, p in sorted(cg.points.items()):
+        t = p.template
+        c = p.c
+        kernels[n] = {
+            "template": t.name, "arch": p.arch, "parameters": cg.params[n], "constants": c,
+            "arguments": [{"name": a.name, "dtype": a.dtype, "shape": list(a.shape), "role": a.role}
+                          for a in p.args()],
+            "bytes": int(t.bytes(c)), "flops": int(t.flops(c)),
+            "source_sha256": hashlib.sha256(sources[n].encode()).hexdigest(),
+            "implements": cg.implements(n),
+            **({"example": cg.examples[n]} if n in cg.examples else {}),
+        }
+        if n in reports:
+            r = reports[n]
+            kernels[n]["ptxas"] = {k: r[k] for k in ("registers", "stack_bytes", "spill_store_bytes",
+                                                     "spill_load_bytes")}
+    plan: dict = {}
+    for e in cg.entries:
+        kinds = plan.setdefault(f"tp{e.tp}_b{e.bucket}", {})
+        kinds.setdefault(e.layer_kind, {}).setdefault(str(e.layer), []).append(
+            {"launch": e.launch, "op": e.op, "node": e.node, "kernels": e.kernels,
+             **({"uncovered": e.uncovered} if e.uncovered else {}), **({"note": e.note} if e.note else {})})
+    unc = cg.uncovered()
+    return {"manifest_version": MANIFEST_VERSION, "config": cg.config, "arch": cg.arch, "tp": list(cg.tps),
+            "buckets": list(cg.buckets), "versions": versions() if compiled else {}, "compiled": compiled,
+            "packaged": packaged, "kernels": kernels, "plan": plan,
+            "coverage": {"plan_launches": len(cg.entries), "covered": len(cg.entries) - len(unc),
+                         "uncovered": sorted({f"{e.layer_kind}/{e.launch} ({e.op}): {e.uncovered}" for e in unc})}}
+
+
+def summary(manifest: dict) -> str:
+    cov = manifest["coverage"]
+    lines = [f"k3compile codegen: {manifest['config']}, TP {manifest['tp']}, buckets {manifest['buckets']}, "
+             f"{manifest['arch']}: {len(manifest['kernels'])} kernels for {cov['plan_launches']} plan launches"]
+    by_t: dict[str, int] = {}
+    for k in manifest["kernels"].values():
+        by_t[k["template"]] = by_t.get(k["template"], 0) + 1
+    lines.append("  per template: " + ", ".join(f"{t} {n}" for t, n in sorted(by_t.items())))
+    if manifest["compiled"]:
+        worst = max((k["ptxas"]["registers"] for k in manifest["kernels"].values()), default=0)
+        spills = [n for n, k in manifest["kernels"].items() if k["ptxas"]["spill_store_bytes"]]
+        lines.append(f"  compiled for {manifest['arch']}: max {worst} registers; spills in {len(spills)} kernels"
+                     + (f" ({', '.join(spills[:5])})" if spills else ""))
+    lines.append(f"  coverage: {cov['covered']} of {cov['plan_launches']} plan launches have kernels")
+    for u in cov["uncovered"]:
+        lines.append(f"  uncovered: {u}")
+    return "\n".join(lines)

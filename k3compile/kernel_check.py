@@ -1,0 +1,149 @@
+"""Check and time one compiled kernel on a GPU against its template's float64 reference.
+
+``check``: fresh random inputs (a new seed each call), every ``out`` argument poisoned first (NaN for
+floating outputs, -1 for integer ones), one call, then ``||out - ref|| / ||ref||`` per output and per
+updated ``state`` argument against the template's tolerance; any NaN or untouched element fails.
+
+``time_kernel``: the kernel inside a CUDA graph, replayed over several input sets whose combined weights
+exceed the 60 MB L2 (so repeats are not served from cache), median of many replays; beside it, torch
+doing the same math (``Template.torch_baseline`` if the template defines one) measured the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+L2_BYTES = 60 * 2**20
+
+
+def _poison(a, device) -> torch.Tensor:
+    t = a.empty(device)
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-1)
+    return t
+
+
+def device_args(point, inputs: dict, device: str = "cuda", shared: dict | None = None) -> dict[str, torch.Tensor]:
+    """Device copies of the inputs (outputs poisoned); ``shared`` device tensors are used as they are."""
+    out = {}
+    for a in point.args():
+        if shared and a.name in shared:
+            out[a.name] = shared[a.name]
+        elif a.role == "out":
+            out[a.name] = _poison(a, device)
+        else:
+            t = inputs[a.name]
+            if tuple(t.shape) != tuple(a.shape) or t.dtype != a.torch_dtype:
+                raise ValueError(f"{point.name}: random input {a.name} is {t.dtype}{list(t.shape)}, the kernel "
+                                 f"takes {a.dtype}{list(a.shape)}")
+            out[a.name] = t.to(device).contiguous().clone()
+    return out
+
+
+def check(point, fn, *, seed: int, device: str = "cuda") -> dict:
+    """One correctness check on fresh inputs; returns {'ok', 'errors': {name: rel}, 'problems': [...]}."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = point.template.random_inputs(point.c, gen)
+    dev = device_args(point, inputs, device)
+    fn(*[dev[a.name] for a in point.args()])
+    torch.cuda.synchronize()
+    return {**compare(point, inputs, dev), "seed": seed}
+
+
+def compare(point, inputs: dict, dev: dict) -> dict:
+    """Kernel results in ``dev`` against the template's float64 reference for ``inputs``."""
+    t, c = point.template, point.c
+    ref = t.reference(c, {k: v.clone() for k, v in inputs.items()})
+    tol = t.tolerance(c)
+    errors, problems = {}, []
+    for name, r in ref.items():
+        got = dev[name].cpu()
+        if not got.is_floating_point():
+            bad = int((got != r.to(got.dtype)).sum())
+            errors[name] = bad
+            if bad:
+                problems.append(f"{name}: {bad} of {got.numel()} integer values differ")
+            continue
+        g = got.double()
+        if torch.isnan(g).any():
+            problems.append(f"{name}: {int(torch.isnan(g).sum())} of {g.numel()} values NaN (unwritten or invalid)")
+            errors[name] = math.inf
+            continue
+        rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+        errors[name] = rel
+        lim = tol[name] if isinstance(tol, dict) else tol
+        if not rel <= lim:
+            problems.append(f"{name}: relative error {rel:.3g} > {lim:g}")
+    return {"ok": not problems, "errors": errors, "problems": problems}
+
+
+def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), median of 20."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    return nbytes / times[len(times) // 2]
+
+
+def graph_time_us(calls: list, *, replays: int = 50) -> float:
+    """Median µs per call of ``calls`` (closures, one per input set) captured round-robin in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in calls:  # warm up (module load, first-call setup) outside the capture
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    reps = max(1, 64 // len(calls))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            for f in calls:
+                f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / (reps * len(calls)))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def input_sets(point, *, seed: int, device: str = "cuda") -> list[dict]:
+    """Input sets for timing, so that repeats are not served from the L2: enough independent sets that the
+    bytes one call moves, summed over the sets, exceed twice the L2 (at most 16 sets). When the weights are
+    a pool much larger than what one call reads (routed experts: the activations pick the experts), the
+    sets share the weights and differ in their activations, which then select other weights."""
+    moved = max(1, point.template.bytes(point.c))
+    n = max(2, min(16, math.ceil(2 * L2_BYTES / moved)))
+    wbytes = sum(a.nbytes for a in point.args() if a.role == "weight")
+    gen = torch.Generator().manual_seed(seed)
+    first = device_args(point, point.template.random_inputs(point.c, gen), device)
+    sets = [first]
+    for i in range(1, n):
+        gen = torch.Generator().manual_seed(seed + i)
+        fresh = point.template.random_inputs(point.c, gen)
+        shared = {a.name: first[a.name] for a in point.args() if a.role == "weight"} \
+            if wbytes >= 8 * L2_BYTES else None
+        sets.append(device_args(point, fresh, device, shared))
+    return sets

@@ -1,0 +1,1 @@
+"""Kernel files of the templates (CuTe DSL modules; importing one imports cutlass)."""

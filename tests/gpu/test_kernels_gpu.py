@@ -1,0 +1,63 @@
+"""Every kernel of the package against its template's float64 reference, on fresh random inputs with
+NaN-poisoned outputs (three different seeds per kernel), and inside a captured CUDA graph replayed after
+its inputs changed (a graph must not bake stale pointers or values)."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from k3compile import kernel_check as kc
+from k3compile.bench_kernels import _point
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def _kernels() -> dict[str, str]:
+    """kernel name -> example label, from the package named by K3_KERNEL_PACKAGE (collection time)."""
+    path = os.environ.get("K3_KERNEL_PACKAGE")
+    if not path or not os.path.exists(os.path.join(path, "manifest.json")):
+        return {"<no package>": ""}
+    with open(os.path.join(path, "manifest.json")) as fh:
+        return {n: k.get("example", n) for n, k in json.load(fh)["kernels"].items()}
+
+
+KERNELS = _kernels()
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS, key=KERNELS.get), ids=lambda n: KERNELS[n] or n)
+def test_kernel_matches_float64_reference(kernel_package, name):
+    point = _point(name, kernel_package.kernels[name])
+    fn = kernel_package.function(name)
+    for _ in range(3):
+        res = kc.check(point, fn, seed=random.randrange(2**31))
+        assert res["ok"], f"{KERNELS[name]} seed {res['seed']}: {res['problems']}"
+
+
+REPLAY = sorted(n for n, ex in KERNELS.items() if ex.endswith(":mini_b8")) or sorted(KERNELS)[:1]
+
+
+@pytest.mark.parametrize("name", REPLAY, ids=lambda n: KERNELS[n] or n)
+def test_graph_replay_sees_new_inputs(kernel_package, name):
+    point = _point(name, kernel_package.kernels[name])
+    fn = kernel_package.function(name)
+    args = point.args()
+    d = kc.device_args(point, point.template.random_inputs(point.c, torch.Generator().manual_seed(1)))
+    fn(*[d[a.name] for a in args])  # first call (module load) outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*[d[a.name] for a in args])
+    for seed in (2, 3):
+        fresh = point.template.random_inputs(point.c, torch.Generator().manual_seed(seed))
+        for a in args:
+            if a.role == "out":
+                d[a.name].fill_(float("nan") if d[a.name].is_floating_point() else -1)
+            else:
+                d[a.name].copy_(fresh[a.name])
+        g.replay()
+        torch.cuda.synchronize()
+        res = kc.compare(point, fresh, d)
+        assert res["ok"], f"replay with seed {seed}: {res['problems']}"
