@@ -146,14 +146,35 @@ def _lower_oproj_residual_norm(node, b, tp):
     return [_gemv(b, n, k), res], note
 
 
+def _ffn_out(node, b):
+    """Kernels that leave ``s = all_reduce(partial) [+ up(rms_norm(all_reduce(latent_partial)))]`` in the
+    row the next kernel adds to the prefix; returns (kernels, what provides s)."""
+    if _arg(node, "latent_partial") is None:
+        return [], "partial"
+    up = _arg(node, "up_weight")
+    n, k = _shape(up)
+    r = _gemv(b, n, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")))
+    add = _residual(b, n, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6)  # partial + r
+    return [r, add], "sum"
+
+
 def _lower_ffn_tail_norm(node, b, tp):
-    if _arg(node, "latent_partial") is not None:
-        raise _Uncovered("latent up-projection + two-addend residual: no template yet (GEMV with an "
-                         "RMSNorm prologue and a residual epilogue over two partial sums)")
     blocks = _arg(node, "blocks")
+    pre, _ = _ffn_out(node, b)
     res = _residual(b, _shape(blocks)[-1], _nb(blocks), add=True, has_prefix=True, out_norm=True,
                     eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))
-    return [res], "all-reduce of the partial is the identity at TP 1 / in single-GPU emulation" if tp > 1 else ""
+    note = "all-reduces are the identity at TP 1 / in single-GPU emulation" if tp > 1 else ""
+    if pre:
+        note = ("three kernels until the GEMV epilogue adds both partial sums itself: up-projection (RMSNorm "
+                "prologue), partial + up, prefix + sum with AttnRes + RMSNorm" + (f"; {note}" if note else ""))
+    return pre + [res], note
+
+
+def _lower_ffn_tail(node, b, tp):
+    pre, _ = _ffn_out(node, b)
+    d = _shape(_arg(node, "prefix"))[-1]
+    res = _residual(b, d, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6)  # prefix + s
+    return pre + [res], "the last layer's tail: new prefix only (the output AttnRes reads it)"
 
 
 def _lower_routed_experts(node, b, tp):
@@ -195,6 +216,7 @@ _LOWERING = {
     "rms_norm_linear": _lower_rms_norm_linear, "lm_head": _lower_lm_head, "situ_linear": _lower_situ_linear,
     "rms_norm": _lower_rms_norm, "attn_res": _lower_attn_res, "attn_res_rms_norm": _lower_attn_res_rms_norm,
     "oproj_residual_norm": _lower_oproj_residual_norm, "ffn_tail_norm": _lower_ffn_tail_norm,
+    "ffn_tail": _lower_ffn_tail,
     "routed_experts": _lower_routed_experts, "kda_decode_fb": _lower_kda, "mla_decode_latent": _lower_mla,
 }
 
@@ -262,7 +284,9 @@ def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str) -> None
     lower = _LOWERING.get(op)
     try:
         if lower is None:
-            raise _Uncovered(f"no template for dialect op {op}")
+            raise _Uncovered(f"no template for dialect op {op}" + (
+                " (a collective: the runtime issues it, NCCL or the one-shot all-reduce of the multi-GPU issue)"
+                if op in dialect.COLLECTIVE_OPS else ""))
         specs, note = lower(node, b, tp)
         names = []
         for tname, params in specs:

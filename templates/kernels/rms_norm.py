@@ -46,8 +46,9 @@ class Kernel:
             v = rX.load().to(Float32)
             ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
         ss = cute.arch.warp_reduction(ss, operator.add)
+        warp = cute.arch.warp_idx()  # a warp-wide shuffle: never call it from a divergent branch (deadlock)
         if cute.arch.lane_idx() == 0:
-            sPartial[cute.arch.warp_idx()] = ss
+            sPartial[warp] = ss
         cute.arch.sync_threads()
         total = Float32(0.0)
         for w in cutlass.range_constexpr(WARPS):

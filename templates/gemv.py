@@ -1,0 +1,184 @@
+"""Template ``gemv``: decode GEMM y = xin @ W.T of a bf16 weight, with an optional prologue forming xin
+(RMSNorm or SiTU-GLU) and a split fp32 / bf16 output (kernel: kernels/gemv.py).
+
+One template serves the dialect ops ``linear``, ``linear_gather`` (this rank's rows), ``front_gemm``
+(several weights of one input concatenated along N, fp32 entries first), ``rms_norm_linear``,
+``situ_linear`` and ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Arg, Template, const, need
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+PROLOGUES = ("none", "rms_norm", "situ")
+SMS = 132  # H200
+
+
+class Gemv(Template):
+    name = "gemv"
+    kernel_file = "gemv.py"
+    doc = "decode GEMM of a bf16 weight (warp per row, 128-bit loads), RMSNorm/SiTU prologue, fp32+bf16 outputs"
+
+    def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
+                  beta: float = 4.0, linear_beta: float = 25.0) -> list:
+        need(bucket in BUCKETS, f"gemv: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
+        need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
+        need(isinstance(k, int) and k >= 8 and k % 8 == 0,
+             f"gemv: k={k} must be a positive multiple of 8 (one 128-bit load holds 8 bf16); pad K with zero "
+             f"columns in W and the activation, or use the eager reference")
+        need(isinstance(n_f32, int) and 0 <= n_f32 <= n,
+             f"gemv: n_f32={n_f32} must be in [0, n={n}] (the first n_f32 rows of W give fp32 outputs); "
+             f"order the weights so that the fp32 ones come first")
+        need(pro in PROLOGUES, f"gemv: prologue pro={pro!r} is not one of {PROLOGUES}; fold other producers "
+                               f"into a separate kernel")
+        need(eps > 0, f"gemv: eps={eps} must be > 0 (RMSNorm epsilon; K3 uses 1e-5)")
+        need(beta > 0 and linear_beta > 0,
+             f"gemv: SiTU beta={beta} and linear_beta={linear_beta} must be > 0 (K3: 4.0 and 25.0)")
+        m = bucket
+        # Rows per warp task: one for M <= 2 (pure weight stream), more for larger M so that each
+        # activation vector loaded serves several weight rows. Must divide N.
+        rows = 1 if m <= 2 else 2 if m <= 8 else 4
+        while n % rows:
+            rows //= 2
+        mb = min(m, 8)  # batch chunk: ROWS x MB accumulators per lane (<= 32 registers)
+        ksteps = k // 256
+        unroll = min(ksteps, 4 if m <= 2 else 2 if m <= 8 else 1)  # weight loads in flight per lane
+        warps = 8
+        tasks = (n // rows) * (m // mb)
+        cap = SMS * (2 if pro == "rms_norm" else 8)  # rms_norm: each CTA recomputes the batch's rstd
+        grid = max(1, min(math.ceil(tasks / warps), cap))
+        return [const("M", m, "batch rows (the bucket)"), const("N", n, "rows of W (outputs per batch row)"),
+                const("K", k, "reduction length (a multiple of 8)"),
+                const("N_F32", n_f32, "the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output"),
+                const("PRO", pro, "prologue forming xin: none | rms_norm | situ"),
+                const("EPS", float(eps), "RMSNorm epsilon (rms_norm prologue)"),
+                const("BETA", float(beta), "SiTU gate beta (situ prologue)"),
+                const("LINEAR_BETA", float(linear_beta), "SiTU linear beta (situ prologue)"),
+                const("ROWS", rows, "weight rows per warp task"),
+                const("MB", mb, "batch rows per warp task (batch chunk)"),
+                const("WARPS", warps, "warps per CTA"),
+                const("UNROLL", unroll, "K steps unrolled in the main loop (weight loads in flight per lane)"),
+                const("GRID", grid, "CTAs (they stride over the tasks)")]
+
+    def examples(self):
+        from k3compile.models.config import get_config
+
+        mini, k3 = get_config("k3_mini"), get_config("kimi_k3")
+        tp = 8
+        ex = {}
+        for b in (1, 8, 64):
+            # k3-mini (TP1): a plain linear over the hidden state (KDA q projection: heads x head_dim).
+            ex[f"mini_b{b}"] = {"bucket": b, "n": mini.kda_num_heads * mini.kda_head_dim, "k": mini.hidden_size}
+            # K3 TP8 rank 0: front of attention, 12288 rows of [q, k, v, g, ...] over the 7168 hidden.
+            ex[f"k3tp8_b{b}"] = {"bucket": b, "n": 12288, "k": k3.hidden_size}
+        # fp32-only router logits (full width on every rank)
+        ex["mini_router_b1"] = {"bucket": 1, "n": mini.num_experts, "k": mini.hidden_size, "n_f32": mini.num_experts}
+        ex["k3tp8_router_b8"] = {"bucket": 8, "n": k3.num_experts, "k": k3.hidden_size, "n_f32": k3.num_experts}
+        # RMSNorm folded in, router rows (fp32) first then a bf16 projection: front_gemm + rms_norm_linear
+        ex["mini_rmsnorm_b2"] = {"bucket": 2, "n": mini.num_experts + 1024, "k": mini.hidden_size,
+                                 "n_f32": mini.num_experts, "pro": "rms_norm", "eps": mini.rms_norm_eps}
+        ex["k3tp8_rmsnorm_b64"] = {"bucket": 64, "n": 12288, "k": k3.hidden_size, "pro": "rms_norm",
+                                   "eps": k3.rms_norm_eps}
+        # SiTU-GLU folded into the shared expert's down projection (TP1 mini; TP8: 2*3072/8 = 768 inputs)
+        situ = {"pro": "situ", "beta": mini.activation_situ_beta, "linear_beta": mini.activation_situ_linear_beta}
+        ex["mini_situ_b8"] = {"bucket": 8, "n": mini.hidden_size, "k": mini.shared_intermediate_size, **situ}
+        ex["k3tp8_situ_b1"] = {"bucket": 1, "n": k3.hidden_size, "k": k3.shared_intermediate_size // tp, **situ}
+        ex["k3tp8_situ_b64"] = {"bucket": 64, "n": k3.hidden_size, "k": k3.shared_intermediate_size // tp, **situ}
+        # q_lora -> heads (N=7168 of K=1536)
+        ex["k3tp8_qb_b4"] = {"bucket": 4, "n": 7168, "k": k3.q_lora_rank}
+        # lm_head: final RMSNorm + this rank's vocab shard, fp32 logits
+        ex["k3tp8_lmhead_b1"] = {"bucket": 1, "n": k3.vocab_size // tp, "k": k3.hidden_size,
+                                 "n_f32": k3.vocab_size // tp, "pro": "rms_norm", "eps": k3.rms_norm_eps}
+        # K not a multiple of 256 (a partial last K step): k3-mini's 128-wide latent/q_lora RMSNorm GEMVs and
+        # the dense layer's SiTU down-projection at TP8 (33792 / 8 = 4224 inputs)
+        ex["mini_rmsnorm_k128_b2"] = {"bucket": 2, "n": mini.hidden_size, "k": 128, "pro": "rms_norm",
+                                      "eps": mini.rms_norm_eps}
+        ex["k3tp8_situ_k4224_b8"] = {"bucket": 8, "n": k3.hidden_size, "k": k3.intermediate_size // tp, **situ}
+        ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
+                                 "pro": "rms_norm", "eps": mini.rms_norm_eps}
+        return ex
+
+    def args(self, c):
+        m, n, k, nf = c["M"], c["N"], c["K"], c["N_F32"]
+        out = [Arg("w", "bf16", (n, k), "weight")]
+        if c["PRO"] == "none":
+            out.append(Arg("x", "bf16", (m, k), "act"))
+        elif c["PRO"] == "rms_norm":
+            out += [Arg("x", "bf16", (m, k), "act"), Arg("norm_weight", "bf16", (k,), "weight")]
+        else:
+            out += [Arg("gate", "bf16", (m, k), "act"), Arg("up", "bf16", (m, k), "act")]
+        if nf > 0:
+            out.append(Arg("y_f32", "f32", (m, nf), "out"))
+        if nf < n:
+            out.append(Arg("y_bf16", "bf16", (m, n - nf), "out"))
+        return out
+
+    def random_inputs(self, c, gen):
+        m, n, k = c["M"], c["N"], c["K"]
+        inputs = {"w": (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(torch.bfloat16)}
+        if c["PRO"] == "none":
+            inputs["x"] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        elif c["PRO"] == "rms_norm":
+            # un-normalized residual-stream rows with per-row scales far from 1
+            scale = torch.exp(2 * torch.rand(m, 1, generator=gen))
+            inputs["x"] = (scale * torch.randn(m, k, generator=gen)).to(torch.bfloat16)
+            inputs["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+        else:
+            inputs["gate"] = (2 * torch.randn(m, k, generator=gen)).to(torch.bfloat16)
+            inputs["up"] = (2 * torch.randn(m, k, generator=gen)).to(torch.bfloat16)
+        return inputs
+
+    def xin(self, c, inputs) -> torch.Tensor:
+        """The bf16 GEMM input exactly as the eager model forms it (models/ops.py)."""
+        from k3compile.models import ops
+
+        if c["PRO"] == "none":
+            return inputs["x"]
+        if c["PRO"] == "rms_norm":
+            return ops.rms_norm(inputs["x"], inputs["norm_weight"], c["EPS"])
+        return ops.situ_glu(inputs["gate"], inputs["up"], c["BETA"], c["LINEAR_BETA"])
+
+    def torch_baseline(self, c, d):
+        from k3compile.models import ops
+
+        F = torch.nn.functional
+        nf = c["N_F32"]
+
+        def run():
+            if c["PRO"] == "rms_norm":
+                x = ops.rms_norm(d["x"], d["norm_weight"], c["EPS"])
+            elif c["PRO"] == "situ":
+                x = ops.situ_glu(d["gate"], d["up"], c["BETA"], c["LINEAR_BETA"])
+            else:
+                x = d["x"]
+            if nf:
+                d["y_f32"].copy_(F.linear(x.float(), d["w"][:nf].float()))
+            if c["N"] > nf:
+                d["y_bf16"].copy_(F.linear(x, d["w"][nf:]))
+        return run
+
+    def reference(self, c, inputs):
+        xin = self.xin(c, inputs)
+        assert xin.dtype == torch.bfloat16
+        y = xin.double() @ inputs["w"].double().T
+        nf, out = c["N_F32"], {}
+        if nf > 0:
+            out["y_f32"] = y[:, :nf]
+        if nf < c["N"]:
+            out["y_bf16"] = y[:, nf:]
+        return out
+
+    def tolerance(self, c):
+        if c["N_F32"] < c["N"]:
+            return 1e-2  # a bf16 output
+        # fp32 outputs only: the bf16-rounded xin can differ in the last bit where the kernel's rsqrt /
+        # tanh approximations land near a rounding boundary; otherwise only the summation order differs.
+        return {"none": 1e-4, "rms_norm": 1e-3, "situ": 5e-3}[c["PRO"]]
+
+    def flops(self, c):
+        return 2 * c["M"] * c["N"] * c["K"]

@@ -1,0 +1,216 @@
+"""Skinny GEMM for decode: y[m, n] = sum_k xin[m, k] * W[n, k] for a batch of M <= 64 rows.
+
+W is bf16 [N, K] row-major (K contiguous) and is the only large operand: the kernel is a weight stream.
+xin is formed on the fly from tiny, L2-resident activations by the prologue PRO:
+
+* ``none``:     xin = x                                                        (x [M, K] bf16)
+* ``rms_norm``: xin = bf16(bf16(x * rsqrt(mean(x^2) + EPS)) * norm_weight)    (KimiRMSNorm of x)
+* ``situ``:     xin = bf16(BETA*tanh(g/BETA)*sigmoid(g) * LINEAR_BETA*tanh(u/LINEAR_BETA))  (SiTU-GLU)
+
+Outputs: rows n < N_F32 of W go to y_f32 [M, N_F32] unrounded (router / lm_head logits), rows
+n >= N_F32 to y_bf16 [M, N - N_F32] rounded to bf16. An output with no rows is not an argument.
+
+Work split. A *task* is (a group of ROWS consecutive rows of W, a chunk of MB batch rows). One warp owns
+one task at a time; the WARPS warps of a CTA take consecutive tasks and the GRID CTAs stride over all
+tasks (the chunks of one row group sit next to each other, so their re-reads of the W rows hit L1/L2).
+Per K step (256 elements; a last partial step when K is not a multiple of 256, done by the first
+K % 256 / 8 lanes) every lane loads 8 consecutive bf16 of each of its ROWS weight rows (one 128-bit load each),
+then, for each batch row of the chunk, 8 elements of xin, and accumulates ROWS x MB fp32 dot products
+in registers. A warp butterfly reduces each accumulator once at the end; lane 0 writes the results.
+No shared memory in the main loop and no CTA barrier after the prologue: warps retire independently.
+Weight loads are marked L1 evict-first with a 256-byte L2 prefetch (activations stay in L1); before the
+PDL wait each lane already prefetches its first weight vectors into L2 (weights are static, so that is
+safe while the previous kernel still runs; activations are only read after the wait).
+For M <= 2 this is one warp per weight row streaming at the copy ceiling; for larger M the batch is
+processed MB rows at a time so the accumulators (ROWS x MB) stay in registers without spilling.
+
+RMSNorm prologue: before its tasks, each CTA computes rstd for all M batch rows (its warps split the
+rows; results in shared memory, one barrier). GRID is capped for this variant, so that the redundant
+per-CTA statistics (M x K elements read from L2) stay small next to the weight stream.
+"""
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+# >>> constants
+# (example values: rendering replaces this block)
+M = 2  # batch rows (the bucket)
+N = 512  # rows of W (outputs per batch row)
+K = 256  # reduction length (a multiple of 8)
+N_F32 = 16  # the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output
+PRO = "rms_norm"  # prologue forming xin: none | rms_norm | situ
+EPS = 1e-05  # RMSNorm epsilon (rms_norm prologue)
+BETA = 4.0  # SiTU gate beta (situ prologue)
+LINEAR_BETA = 25.0  # SiTU linear beta (situ prologue)
+ROWS = 1  # weight rows per warp task
+MB = 2  # batch rows per warp task (batch chunk)
+WARPS = 8  # warps per CTA
+UNROLL = 4  # K steps unrolled in the main loop (weight loads in flight per lane)
+GRID = 32  # CTAs (they stride over the tasks)
+# <<< constants
+
+VEC = 8  # bf16 per 128-bit load
+THREADS = 32 * WARPS
+KSTEPS = K // (32 * VEC)  # whole K steps of one warp (each covers 256 elements)
+KTAIL = (K % (32 * VEC)) // VEC  # lanes with work in a last, partial K step (0: none)
+MCHUNKS = M // MB
+TASKS = (N // ROWS) * MCHUNKS
+HAS_F32 = N_F32 > 0
+HAS_BF16 = N_F32 < N
+TWO_ACTS = PRO != "none"  # rms_norm: (x, norm_weight); situ: (gate, up)
+
+
+class Kernel:
+    # The argument list follows templates/gemv.py (Gemv.args): W, the activation(s), then the output(s)
+    # that have rows. Exactly one of the four signatures below is this instance's __call__.
+    if not TWO_ACTS and not (HAS_F32 and HAS_BF16):  # one activation, one output
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor, stream):
+            if cutlass.const_expr(HAS_F32):
+                self._launch(mW, mX, None, mY, None, stream)
+            else:
+                self._launch(mW, mX, None, None, mY, stream)
+
+    elif not TWO_ACTS:  # both outputs
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mYf: cute.Tensor, mYb: cute.Tensor, stream):
+            self._launch(mW, mX, None, mYf, mYb, stream)
+
+    elif not (HAS_F32 and HAS_BF16):  # two activations, one output
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mAux: cute.Tensor, mY: cute.Tensor, stream):
+            if cutlass.const_expr(HAS_F32):
+                self._launch(mW, mX, mAux, mY, None, stream)
+            else:
+                self._launch(mW, mX, mAux, None, mY, stream)
+
+    else:  # two activations, both outputs
+
+        @cute.jit
+        def __call__(self, mW: cute.Tensor, mX: cute.Tensor, mAux: cute.Tensor, mYf: cute.Tensor,
+                     mYb: cute.Tensor, stream):
+            self._launch(mW, mX, mAux, mYf, mYb, stream)
+
+    @cute.jit
+    def _launch(self, mW, mX, mAux, mYf, mYb, stream):
+        """mX: x (none, rms_norm) or gate (situ); mAux: norm_weight (rms_norm), up (situ) or None."""
+        # min_blocks_per_mp=1: lets ptxas use the registers it needs (left alone, it trims some variants to
+        # 64 registers for occupancy and spills).
+        self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
+                                                    min_blocks_per_mp=1)
+
+    @cute.jit
+    def k_step(self, kv, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc):
+        """One K step of a task: this lane's 8-element vector ``kv`` (index along K) of each of the task's
+        weight rows n0.., times xin of each batch row m0.. of the chunk, accumulated into rAcc."""
+        for r in cutlass.range_constexpr(ROWS):
+            cute.copy(wLoad, cute.local_tile(mW[n0 + r, None], (VEC,), (kv,)), rW[r])
+        for r in cutlass.range_constexpr(ROWS):
+            rWf[r].store(rW[r].load().to(Float32))
+        if cutlass.const_expr(PRO == "rms_norm"):
+            cute.autovec_copy(cute.local_tile(mAux, (VEC,), (kv,)), rNw)
+        for b in cutlass.range_constexpr(MB):
+            m = m0 + b
+            cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (kv,)), rX)
+            if cutlass.const_expr(PRO == "none"):
+                rXin.store(rX.load().to(Float32))
+            elif cutlass.const_expr(PRO == "rms_norm"):
+                normed = (rX.load().to(Float32) * sRstd[m]).to(BFloat16)  # rounded before the weight
+                rXin.store((normed.to(Float32) * rNw.load().to(Float32)).to(BFloat16).to(Float32))
+            else:  # situ
+                cute.autovec_copy(cute.local_tile(mAux[m, None], (VEC,), (kv,)), rAux)
+                g = rX.load().to(Float32)
+                u = rAux.load().to(Float32)
+                sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g, fastmath=True))
+                act = Float32(BETA) * cute.math.tanh(g * Float32(1.0 / BETA), fastmath=True) * sig
+                lin = Float32(LINEAR_BETA) * cute.math.tanh(u * Float32(1.0 / LINEAR_BETA), fastmath=True)
+                rXin.store((act * lin).to(BFloat16).to(Float32))
+            for r in cutlass.range_constexpr(ROWS):
+                a = rAcc[r * MB + b]
+                for i in cutlass.range_constexpr(VEC):
+                    a = a + rWf[r][i] * rXin[i]
+                rAcc[r * MB + b] = a
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mX: cute.Tensor, mAux, mYf, mYb):
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        cta = cute.arch.block_idx()[0]
+
+        # Weights are streamed: 128-bit loads that L1 evicts first (activations stay in L1), with a 256-byte
+        # L2 prefetch (the next lanes' vectors of the same row).
+        wLoad = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                                    l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST,
+                                    l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B)
+        rW = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(ROWS)]  # raw weight vectors
+        rWf = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(ROWS)]  # the same, widened
+        rX = cute.make_rmem_tensor((VEC,), BFloat16)  # x, or gate (situ)
+        rAux = cute.make_rmem_tensor((VEC,), BFloat16)  # up (situ)
+        rNw = cute.make_rmem_tensor((VEC,), BFloat16)  # norm weight (rms_norm)
+        rXin = cute.make_rmem_tensor((VEC,), Float32)  # xin of one batch row, 8 elements
+        rAcc = cute.make_rmem_tensor((ROWS * MB,), Float32)  # per-lane partial dot products
+
+        smem = cutlass.utils.SmemAllocator()
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout((M,)), 16)
+
+        # Before waiting on the previous kernel: start pulling this warp's first weight vectors into L2.
+        first = cta * WARPS + warp
+        if first < TASKS:
+            for r in cutlass.range_constexpr(ROWS):
+                for s in cutlass.range_constexpr(UNROLL):
+                    gW = cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,), (s * 32 + lane,))
+                    cute.arch.prefetch(gW.iterator.llvm_ptr, cache_level="L2")
+
+        cute.arch.griddepcontrol_wait()  # everything below may read the previous kernel's activations
+
+        if cutlass.const_expr(PRO == "rms_norm"):
+            # rstd of every batch row: warps split the rows, lanes split K, one butterfly per row.
+            for m in cutlass.range(warp, M, WARPS):
+                ss = Float32(0.0)
+                for s in cutlass.range(KSTEPS):
+                    cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (s * 32 + lane,)), rX)
+                    v = rX.load().to(Float32)
+                    ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                if cutlass.const_expr(KTAIL > 0):
+                    if lane < KTAIL:
+                        cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (KSTEPS * 32 + lane,)), rX)
+                        v = rX.load().to(Float32)
+                        ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                ss = cute.arch.warp_reduction(ss, operator.add)
+                if lane == 0:
+                    sRstd[m] = cute.math.rsqrt(ss / Float32(K) + Float32(EPS))
+            cute.arch.sync_threads()
+
+        for task in cutlass.range(cta * WARPS + warp, TASKS, GRID * WARPS):
+            n0 = (task // MCHUNKS) * ROWS  # first weight row of the task
+            m0 = (task % MCHUNKS) * MB  # first batch row of the task
+            rAcc.fill(0.0)
+            for s in cutlass.range(KSTEPS, unroll=UNROLL):
+                self.k_step(s * 32 + lane, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc)
+            if cutlass.const_expr(KTAIL > 0):  # K is not a multiple of 256: lanes past its end sit this one out
+                if lane < KTAIL:
+                    self.k_step(KSTEPS * 32 + lane, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw,
+                                rXin, rAcc)
+
+            for r in cutlass.range_constexpr(ROWS):
+                n = n0 + r
+                for b in cutlass.range_constexpr(MB):
+                    total = cute.arch.warp_reduction(rAcc[r * MB + b], operator.add)
+                    if lane == 0:
+                        if cutlass.const_expr(not HAS_BF16):
+                            mYf[m0 + b, n] = total
+                        elif cutlass.const_expr(not HAS_F32):
+                            mYb[m0 + b, n] = total.to(BFloat16)
+                        else:
+                            if n < N_F32:
+                                mYf[m0 + b, n] = total
+                            else:
+                                mYb[m0 + b, n - N_F32] = total.to(BFloat16)
+
+        cute.arch.griddepcontrol_launch_dependents()

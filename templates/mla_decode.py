@@ -1,0 +1,200 @@
+"""Template ``mla_decode``: absorbed MLA decode for H local heads over the latent cache, with the kv_a
+RMSNorm and latent-row assembly folded in (dialect op ``k3::mla_decode_latent``; kernel:
+kernels/mla_decode.py).
+
+Per row m: ``latent = [KimiRMSNorm(kv[:, :C], kv_norm_weight, kv_eps) | kv[:, C:]]`` (bf16 output; the
+graph writes it into the cache afterwards), then ``models.ops.mla_decode(q, latent, gate, cache, lengths,
+kv_b_weight, nope, v, scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plus
+itself (at position ``lengths[m]``).
+
+This template is **two kernels** launched back to back by one ``Kernel.__call__``: a split-context
+attention kernel (grid NSPLIT x M, all local heads of a token in one CTA so each cache row is read once
+per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M) that
+merges the partials, applies W_uv and the sigmoid output gate, and zeroes the partials it consumed.
+
+Roles: ``cache`` is decode state but **read-only here** (the graph's index_put writes the new row);
+``lengths`` (int64, as the model's DecodeState holds them) is an activation read on the device, so one
+compiled kernel serves any lengths in ``0 .. lmax-1``; ``ws_ol`` / ``ws_ml`` are scratch (zero between
+calls). ``reference`` returns ``out`` and ``latent`` only: the cache is not written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Arg, Template, const, need
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SMS = 132  # H200 SMs: the default split count aims at about two CTAs of kernel 1 per SM
+MAX_HEADS = 32  # one warp per head: 1024 threads
+TILE = 32  # cache rows per shared-memory tile (32 x 1152 B = 36 KB for C+R = 576)
+MAX_TILE_BYTES = 40 * 1024
+
+
+def default_splits(bucket: int, lmax: int, chunk_min: int) -> int:
+    """Most splits per row: enough CTAs to fill the GPU about twice at full context, never more than the
+    context can feed with chunk_min positions each."""
+    return max(1, min(math.ceil(lmax / chunk_min), math.ceil(2 * SMS / bucket)))
+
+
+class MlaDecode(Template):
+    name = "mla_decode"
+    kernel_file = "mla_decode.py"
+    doc = ("absorbed MLA decode + kv_a RMSNorm: split-context attention (all heads of a token per CTA, "
+           "cache rows read once) then a combine kernel with W_uv and the output gate")
+
+    def constants(self, *, bucket: int, heads: int, nope: int, rope: int, v: int, kv_lora: int, lmax: int,
+                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int = 256) -> list:
+        p = "mla_decode"
+        need(bucket in BUCKETS, f"{p}: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
+        need(isinstance(heads, int) and 2 <= heads <= MAX_HEADS,
+             f"{p}: heads={heads} must be in 2..{MAX_HEADS} (one warp per local head, at most 1024 threads; with "
+             f"a single warp the cooperative cache-tile loads spill registers): use a TP size that leaves 2 or "
+             f"more heads per rank, or shard the heads over more ranks when there are too many")
+        need(isinstance(kv_lora, int) and kv_lora > 0 and kv_lora % 256 == 0,
+             f"{p}: kv_lora={kv_lora} must be a positive multiple of 256 (each lane owns whole 8-element chunks "
+             f"of the latent); K3 uses 512")
+        need(isinstance(rope, int) and rope in (32, 64, 128, 256),
+             f"{p}: rope={rope} must be 32, 64, 128 or 256 (each lane owns rope/32 contiguous k_pe elements, one "
+             f"vector load); K3 uses 64")
+        need(isinstance(nope, int) and nope > 0 and nope % (rope // 32) == 0,
+             f"{p}: nope={nope} must be a positive multiple of rope/32={rope // 32} (aligned q_pe loads); "
+             f"K3 uses 128")
+        need(isinstance(v, int) and v > 0 and v % 32 == 0,
+             f"{p}: v={v} must be a positive multiple of 32 (one output per lane); K3 uses 128")
+        need(isinstance(lmax, int) and lmax >= 1, f"{p}: lmax={lmax} must be >= 1 (cache positions per row)")
+        row = kv_lora + rope
+        need(bucket * lmax * row < 2 ** 31,
+             f"{p}: the cache [{bucket}, {lmax}, {row}] has >= 2^31 elements and the kernel indexes it with 32-bit "
+             f"offsets; use a smaller bucket or lmax (64-bit cache addressing is not implemented)")
+        need(kv_eps > 0, f"{p}: kv_eps={kv_eps} must be > 0 (the kv_a_layernorm eps, 1e-6 in HF)")
+        need(scale > 0, f"{p}: scale={scale} must be > 0 ((nope + rope) ** -0.5 for K3)")
+        need(isinstance(chunk_min, int) and chunk_min >= 1,
+             f"{p}: chunk_min={chunk_min} must be a positive number of positions per split")
+        if splits is None:
+            splits = default_splits(bucket, lmax, chunk_min)
+        need(isinstance(splits, int) and 1 <= splits <= 65535,
+             f"{p}: splits={splits} must be in 1..65535 (grid.x of the attention kernel)")
+        need(TILE * row * 2 <= MAX_TILE_BYTES,
+             f"{p}: a {TILE}-row shared-memory tile of {row}-wide rows needs {TILE * row * 2} bytes > "
+             f"{MAX_TILE_BYTES}; lower TILE in the template")
+        return [const("M", bucket, "rows (the batch bucket)"),
+                const("H", heads, "local heads (one warp each)"),
+                const("NOPE", nope, "qk_nope_head_dim"),
+                const("R", rope, "qk_rope_head_dim (k_pe width, unrotated)"),
+                const("V", v, "v_head_dim"),
+                const("C", kv_lora, "kv_lora_rank (latent width)"),
+                const("LMAX", lmax, "cache positions per row"),
+                const("KV_EPS", float(kv_eps), "kv_a_layernorm epsilon"),
+                const("SCALE", float(scale), "softmax scale ((nope + rope) ** -0.5)"),
+                const("NSPLIT", splits, "most context splits per row (grid.x of kernel 1)"),
+                const("CHUNK_MIN", chunk_min, "fewest positions per split (short rows use fewer splits)"),
+                const("TILE", TILE, "cache rows staged in shared memory per step")]
+
+    def examples(self):
+        ex = {}
+        common = dict(nope=128, rope=64, v=128, kv_lora=512, kv_eps=1e-6, scale=192 ** -0.5)
+        for b in (1, 8, 64):
+            ex[f"mini_b{b}"] = dict(bucket=b, heads=8, lmax=8192, **common)  # k3-mini TP1, full context
+        for b, lmax in ((1, 32768), (8, 32768), (64, 16384)):  # cache <= 2.4 GB; b64 kept smaller for CPU refs
+            ex[f"k3tp8_b{b}"] = dict(bucket=b, heads=12, lmax=lmax, **common)
+        return ex
+
+    def args(self, c):
+        m, h, c_dim, r = c["M"], c["H"], c["C"], c["R"]
+        return [Arg("q", "bf16", (m, h * (c["NOPE"] + r)), "act"),
+                Arg("kv", "bf16", (m, c_dim + r), "act"),
+                Arg("kv_norm_weight", "bf16", (c_dim,), "weight"),
+                Arg("gate", "bf16", (m, h * c["V"]), "act"),
+                Arg("cache", "bf16", (m, c["LMAX"], c_dim + r), "state"),  # read-only here
+                Arg("lengths", "i64", (m,), "act", align=8),
+                Arg("kv_b_weight", "bf16", (h * (c["NOPE"] + c["V"]), c_dim), "weight"),
+                Arg("out", "bf16", (m, h * c["V"]), "out"),
+                Arg("latent", "bf16", (m, c_dim + r), "out"),
+                Arg("ws_ol", "f32", (m, c["NSPLIT"], h, c_dim), "scratch"),
+                Arg("ws_ml", "f32", (m, c["NSPLIT"], h, 2), "scratch")]
+
+    def random_inputs(self, c, gen):
+        m, h, c_dim, r, lmax = c["M"], c["H"], c["C"], c["R"], c["LMAX"]
+        bf = torch.bfloat16
+        # lengths: distinct random values in 0..lmax-1; with >= 3 rows, the extremes (full context and an
+        # empty cache) are always present
+        if lmax >= m:
+            lengths = torch.randperm(lmax, generator=gen)[:m]
+        else:
+            lengths = torch.randint(0, lmax, (m,), generator=gen)
+        if m >= 3:
+            lengths[0], lengths[1] = lmax - 1, 0
+        cache = torch.empty(m, lmax, c_dim + r, dtype=bf)
+        for i in range(m):  # row by row: keeps the float32 temporary small
+            cache[i] = torch.randn(lmax, c_dim + r, generator=gen).to(bf)
+        return {"q": torch.randn(m, h * (c["NOPE"] + r), generator=gen).to(bf),
+                "kv": torch.randn(m, c_dim + r, generator=gen).to(bf),
+                "kv_norm_weight": (1 + 0.1 * torch.randn(c_dim, generator=gen)).to(bf),
+                "gate": torch.randn(m, h * c["V"], generator=gen).to(bf),
+                "cache": cache,
+                "lengths": lengths.to(torch.int64),
+                "kv_b_weight": (torch.randn(h * (c["NOPE"] + c["V"]), c_dim, generator=gen) / math.sqrt(c_dim)).to(bf),
+                "ws_ol": torch.zeros(m, c["NSPLIT"], h, c_dim),
+                "ws_ml": torch.zeros(m, c["NSPLIT"], h, 2)}
+
+    def torch_baseline(self, c, d):
+        from k3compile.models import ops
+
+        def run():
+            kv = d["kv"]
+            latent = torch.cat([ops.rms_norm(kv[:, :c["C"]], d["kv_norm_weight"], c["KV_EPS"]), kv[:, c["C"]:]], -1)
+            d["latent"].copy_(latent)
+            d["out"].copy_(ops.mla_decode(d["q"], latent, d["gate"], d["cache"], d["lengths"], d["kv_b_weight"],
+                                          c["NOPE"], c["V"], c["SCALE"]))
+        return run
+
+    def reference(self, c, inputs):
+        """float64, row by row over the valid positions only (never materializes the whole cache)."""
+        m, h, nope, r, vd, c_dim = c["M"], c["H"], c["NOPE"], c["R"], c["V"], c["C"]
+        kv = inputs["kv"].double()
+        x = kv[:, :c_dim]
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c["KV_EPS"])).to(torch.bfloat16).double()
+        latent_c = (inputs["kv_norm_weight"].double() * normed).to(torch.bfloat16).double()  # bf16 output
+        latent = torch.cat([latent_c, kv[:, c_dim:]], dim=-1)  # [m, C+R], bf16-exact values
+        w = inputs["kv_b_weight"].double().view(h, nope + vd, c_dim)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [h, nope, C], [h, v, C]
+        q = inputs["q"].double().view(m, h, nope + r)
+        gate = inputs["gate"].double().view(m, h, vd)
+        out = torch.empty(m, h, vd, dtype=torch.float64)
+        for i in range(m):
+            n = int(inputs["lengths"][i])
+            rows = torch.cat([inputs["cache"][i, :n].double(), latent[i:i + 1]], dim=0)  # [n+1, C+R]
+            ql = torch.einsum("hd,hdc->hc", q[i, :, :nope], w_uk)  # [h, C]
+            s = (ql @ rows[:, :c_dim].T + q[i, :, nope:] @ rows[:, c_dim:].T) * c["SCALE"]  # [h, n+1]
+            p = torch.softmax(s, dim=-1)
+            ol = p @ rows[:, :c_dim]  # [h, C]
+            o = torch.einsum("hc,hvc->hv", ol, w_uv)
+            out[i] = o * torch.sigmoid(gate[i])
+        return {"out": out.reshape(m, h * vd), "latent": latent}
+
+    def tolerance(self, c):
+        return 1e-2
+
+    def flops(self, c):
+        """Full-context figure (every row at lengths = LMAX - 1, i.e. LMAX positions): absorption of q
+        and ol, scores and the weighted sum per position, the RMSNorm and the gate ignored."""
+        m, h, nope, r, vd, c_dim = c["M"], c["H"], c["NOPE"], c["R"], c["V"], c["C"]
+        per_row = 2 * h * nope * c_dim + 2 * h * vd * c_dim + c["LMAX"] * 2 * h * (2 * c_dim + r)
+        return m * per_row
+
+    def bytes(self, c):
+        """Bytes that must move, at full context: the cache rows actually read (LMAX - 1 per row; the
+        current token's row comes from kv) -- the real count is sum over rows of lengths[m] rows --, the
+        weights and activations once, the outputs once; the cache is not written, the scratch not counted."""
+        total = 0
+        for a in self.args(c):
+            if a.role == "scratch":
+                continue
+            if a.name == "cache":
+                total += c["M"] * (c["LMAX"] - 1) * (c["C"] + c["R"]) * 2
+            else:
+                total += a.nbytes
+        return total

@@ -1,0 +1,237 @@
+"""Templates ``moe_gate_up`` and ``moe_down_combine``: the dialect op ``routed_experts`` in two launches
+(kernels/moe_gate_up.py, kernels/moe_down_combine.py).
+
+``moe_gate_up`` selects each token's experts from its router logits (sigmoid + biased top-k, exactly
+``k3compile.dialect._select``), runs the MXFP4 gate/up GEMVs of every (token, slot) and applies SiTU-GLU:
+``h [M, TOPK, I]`` bf16, ``ids [M, TOPK]`` i32 and ``weights [M, TOPK]`` f32. ``moe_down_combine`` runs
+the down GEMVs of the same (token, slot) pairs and sums them with the routing weights:
+``y [M, L] = bf16(sum_j weights[m, j] * bf16(h[m, j] . deq(W2[ids[m, j]])^T))`` (ops.latent_moe_experts).
+Under TP the experts hold an intermediate-dim shard and y is a partial sum.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from .base import Arg, Template, const, need
+
+_MINI = {"n_experts": 16, "top_k": 4, "latent": 128, "inter": 256}
+_K3TP8 = {"n_experts": 896, "top_k": 16, "latent": 3584, "inter": 384}
+_ROUTING = {"renormalize": True, "scaling_factor": 2.5}
+_SITU = {"beta": 4.0, "linear_beta": 25.0}
+_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n."""
+    g = 1
+    while g * 2 <= cap and n % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def _check_common(name, bucket, n_experts, top_k, latent, inter):
+    need(isinstance(bucket, int) and bucket in _BUCKETS,
+         f"{name}: bucket {bucket!r} is not one of {_BUCKETS}; pad the batch to a bucket")
+    need(isinstance(n_experts, int) and 1 <= n_experts <= MAX_EXPERTS,
+         f"{name}: n_experts={n_experts!r} must be an int in 1..{MAX_EXPERTS} (selection holds E/32 logits per "
+         f"lane in registers); split the experts or use the eager reference")
+    need(isinstance(top_k, int) and 1 <= top_k <= min(n_experts, 32),
+         f"{name}: top_k={top_k!r} must be an int in 1..min(n_experts={n_experts}, 32)")
+    for what, v in (("latent", latent), ("inter", inter)):
+        need(isinstance(v, int) and v > 0 and v % 32 == 0,
+             f"{name}: {what}={v!r} must be a positive multiple of 32 (one MXFP4 scale per 32 elements); pad the "
+             f"weights to a multiple of 32")
+
+
+def _expected_experts(c) -> float:
+    """Expected distinct experts among M tokens x TOPK uniform picks (for bytes())."""
+    e, k, m = c["E"], c["TOPK"], c["M"]
+    return e * (1 - (1 - k / e) ** m)
+
+
+def _random_mx(gen, e, rows, cols):
+    packed = torch.randint(0, 256, (e, rows, cols // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(120, 131, (e, rows, cols // 32), generator=gen, dtype=torch.uint8)
+    return packed, scale
+
+
+def _deq64(packed, scale):
+    from k3compile.models import mxfp4
+
+    return mxfp4.dequantize(packed, scale, torch.float32).double()  # exact (bf16-exact values)
+
+
+def _per_expert(ids: torch.Tensor, rows: torch.Tensor, packed, scale, out_features: int) -> torch.Tensor:
+    """float64 ``rows[m, j] @ deq(W[ids[m, j]]).T`` for every token m and slot j, dequantising each
+    distinct expert once (gathering [M, k, out, in] first would need gigabytes at real K3 shapes).
+    ``rows`` is [M, k, in]."""
+    out = torch.empty(*ids.shape, out_features, dtype=torch.float64)
+    for e in torch.unique(ids).tolist():
+        m, j = (ids == e).nonzero(as_tuple=True)
+        out[m, j] = rows[m, j] @ _deq64(packed[e], scale[e]).T
+    return out
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+def select_reference(logits, bias, top_k, renormalize, scaling_factor):
+    """Exactly k3compile.dialect._select (fp32), kept local so the templates do not import the dialect."""
+    scores = torch.sigmoid(logits.float())
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+class MoeGateUp(Template):
+    name = "moe_gate_up"
+    kernel_file = "moe_gate_up.py"
+    doc = "router top-k + MXFP4 gate/up GEMVs + SiTU-GLU per (token, slot); prmt-LUT decode, 128-bit loads"
+
+    def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
+                  renormalize: bool, scaling_factor: float, beta: float, linear_beta: float) -> list:
+        _check_common(self.name, bucket, n_experts, top_k, latent, inter)
+        need(beta > 0 and linear_beta > 0, f"{self.name}: beta={beta} and linear_beta={linear_beta} must be > 0")
+        nb = latent // 32
+        g = _pow2_divisor(nb, 16)  # G lanes per row, 2G <= 32 so a warp has whole rows
+        rpw = 32 // g
+        warps = next((w for w in (8, 4, 2) if inter % ((w // 2) * rpw) == 0), None)
+        need(warps is not None, f"{self.name}: inter={inter} is not a multiple of {rpw} rows (a warp covers "
+                                f"32/G = {rpw} rows at latent={latent}); pad the intermediate size")
+        return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
+                const("TOPK", top_k, "experts per token"),
+                const("L", latent, "latent size (reduction length of gate/up)"),
+                const("I", inter, "intermediate size (rows of W1/W3 on this rank)"),
+                const("RENORMALIZE", bool(renormalize), "renormalise the selected scores to sum 1"),
+                const("SCALING", float(scaling_factor), "routed scaling factor"),
+                const("BETA", float(beta), "SiTU gate beta"), const("LINEAR_BETA", float(linear_beta),
+                                                                   "SiTU linear beta"),
+                const("G", g, "lanes sharing one weight row"),
+                const("WARPS", warps, "warps per CTA (half gate, half up)")]
+
+    def examples(self):
+        return {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
+                for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
+
+    def args(self, c):
+        m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
+        return [Arg("z", "bf16", (m, l), "act"), Arg("logits", "f32", (m, e), "act"),
+                Arg("score_bias", "f32", (e,), "weight"),
+                Arg("w1_packed", "u8", (e, i, l // 2), "weight"), Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
+                Arg("w3_packed", "u8", (e, i, l // 2), "weight"), Arg("w3_scale", "u8", (e, i, l // 32), "weight"),
+                Arg("h", "bf16", (m, k, i), "out"), Arg("ids", "i32", (m, k), "out"),
+                Arg("weights", "f32", (m, k), "out")]
+
+    def random_inputs(self, c, gen):
+        m, e, l, i = c["M"], c["E"], c["L"], c["I"]
+        w1, s1 = _random_mx(gen, e, i, l)
+        w3, s3 = _random_mx(gen, e, i, l)
+        return {"z": torch.randn(m, l, generator=gen).to(torch.bfloat16),
+                "logits": torch.randn(m, e, generator=gen),
+                "score_bias": 0.1 * torch.randn(e, generator=gen),
+                "w1_packed": w1, "w1_scale": s1, "w3_packed": w3, "w3_scale": s3}
+
+    def torch_baseline(self, c, d):
+        """Eager: selection, then the selected experts gathered and dequantised to bf16 on the fly."""
+        from k3compile.models import ops
+        from k3compile.models.mxfp4 import dequantize
+
+        def run():
+            w, ids = select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
+            z = d["z"][:, None, None, :]
+            gate = torch.matmul(z, dequantize(d["w1_packed"][ids], d["w1_scale"][ids]).transpose(-1, -2))[..., 0, :]
+            up = torch.matmul(z, dequantize(d["w3_packed"][ids], d["w3_scale"][ids]).transpose(-1, -2))[..., 0, :]
+            d["h"].copy_(ops.situ_glu(gate, up, c["BETA"], c["LINEAR_BETA"]))
+            d["ids"].copy_(ids)
+            d["weights"].copy_(w)
+        return run
+
+    def reference(self, c, inputs):
+        weights, ids = select_reference(inputs["logits"], inputs["score_bias"], c["TOPK"], c["RENORMALIZE"],
+                                        c["SCALING"])
+        z = inputs["z"].double()[:, None, :].expand(-1, ids.shape[1], -1)  # [M, K, L]
+        gate = _bf16(_per_expert(ids, z, inputs["w1_packed"], inputs["w1_scale"], c["I"]))
+        up = _bf16(_per_expert(ids, z, inputs["w3_packed"], inputs["w3_scale"], c["I"]))
+        b, lb = c["BETA"], c["LINEAR_BETA"]
+        h = b * torch.tanh(gate / b) * torch.sigmoid(gate) * (lb * torch.tanh(up / lb))
+        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double()}
+
+    def tolerance(self, c):
+        return {"h": 1e-2, "weights": 1e-5}
+
+    def flops(self, c):
+        return 2 * c["M"] * c["TOPK"] * 2 * c["I"] * c["L"]
+
+    def bytes(self, c):
+        per_expert = 2 * c["I"] * (c["L"] // 2 + c["L"] // 32)  # W1 + W3 codes and scales
+        acts = c["M"] * (2 * c["L"] + 4 * c["E"]) + 4 * c["E"]  # z, logits, bias
+        outs = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
+        return int(round(per_expert * _expected_experts(c))) + acts + outs
+
+
+class MoeDownCombine(Template):
+    name = "moe_down_combine"
+    kernel_file = "moe_down_combine.py"
+    doc = "MXFP4 down GEMVs of the selected experts + routing-weighted combine in registers (no atomics)"
+
+    def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
+                  renormalize: bool = True, scaling_factor: float = 1.0, beta: float = 1.0,
+                  linear_beta: float = 1.0) -> list:
+        _check_common(self.name, bucket, n_experts, top_k, latent, inter)
+        g = _pow2_divisor(inter // 32, 32)  # G lanes per (slot, row)
+        warps = next((w for w in (8, 4, 2, 1) if latent % w == 0), None)
+        need(warps is not None, f"{self.name}: latent={latent} has no warp count")
+        return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
+                const("TOPK", top_k, "experts per token"), const("L", latent, "latent size (rows of W2, outputs)"),
+                const("I", inter, "intermediate size (reduction length of down on this rank)"),
+                const("G", g, "lanes sharing one (slot, weight row)"),
+                const("WARPS", warps, "warps per CTA (one output element per warp)")]
+
+    def examples(self):
+        return {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
+                for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
+
+    def args(self, c):
+        m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
+        return [Arg("h", "bf16", (m, k, i), "act"), Arg("ids", "i32", (m, k), "act"),
+                Arg("weights", "f32", (m, k), "act"),
+                Arg("w2_packed", "u8", (e, l, i // 2), "weight"), Arg("w2_scale", "u8", (e, l, i // 32), "weight"),
+                Arg("y", "bf16", (m, l), "out")]
+
+    def random_inputs(self, c, gen):
+        m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
+        logits = torch.randn(m, e, generator=gen)
+        weights, ids = select_reference(logits, 0.1 * torch.randn(e, generator=gen), k, True, 2.5)
+        w2, s2 = _random_mx(gen, e, l, i)
+        return {"h": (0.5 * torch.randn(m, k, i, generator=gen)).to(torch.bfloat16), "ids": ids.to(torch.int32),
+                "weights": weights.float(), "w2_packed": w2, "w2_scale": s2}
+
+    def torch_baseline(self, c, d):
+        from k3compile.models.mxfp4 import dequantize
+
+        def run():
+            ids = d["ids"].long()
+            w2 = dequantize(d["w2_packed"][ids], d["w2_scale"][ids])  # [M, K, L, I] bf16
+            y = torch.matmul(d["h"][..., None, :], w2.transpose(-1, -2))[..., 0, :]
+            d["y"].copy_((y.float() * d["weights"][..., None]).sum(1))
+        return run
+
+    def reference(self, c, inputs):
+        ids = inputs["ids"].long()
+        y = _bf16(_per_expert(ids, inputs["h"].double(), inputs["w2_packed"], inputs["w2_scale"], c["L"]))
+        # ^ per-expert result rounded to bf16, as the eager matmul returns it
+        return {"y": (y * inputs["weights"].double()[..., None]).sum(1)}
+
+    def flops(self, c):
+        return 2 * c["M"] * c["TOPK"] * c["L"] * c["I"]
+
+    def bytes(self, c):
+        per_expert = c["L"] * (c["I"] // 2 + c["I"] // 32)
+        acts = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
+        return int(round(per_expert * _expected_experts(c))) + acts + c["M"] * c["L"] * 2

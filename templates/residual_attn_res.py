@@ -1,0 +1,158 @@
+"""Template ``residual_attn_res``: [residual add +] AttnRes read [+ RMSNorm] of decode rows
+(kernel: kernels/residual_attn_res.py).
+
+Per token row: ``new_prefix = prefix + a`` (ADD), ``out = attn_res(new_prefix, blocks, norm_w, proj_w, eps)``
+(K3 §1.10, ``models.ops.attn_res``), ``y = rms_norm(out, out_norm_w, out_eps)`` (OUT_NORM). It serves
+
+* ``k3::attn_res`` (add=False, out_norm=False) and ``k3::attn_res_rms_norm`` (add=False, out_norm=True);
+* the epilogue of ``k3::oproj_residual_norm`` / ``k3::ffn_tail_norm`` / ``k3::ffn_tail`` when their GEMM output
+  ``a`` comes from a separate kernel (add=True, out_norm=True; with TP=1 the all-reduce is the identity;
+  ``has_prefix=False`` is the ``prefix is None`` case of oproj_residual_norm);
+* ``k3::add_rms_norm`` as nb=0, add=True, out_norm=True: AttnRes over the prefix alone returns it exactly
+  (softmax of one source is 1), so ``y = rms_norm(prefix + a)`` and ``new_prefix = prefix + a``.
+
+``proj_weight`` is taken as a flat [D] vector (the checkpoint's [1, D] viewed flat). With nb=0 the AttnRes
+weights are not arguments (nothing reads them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Arg, Template, const, need
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_NB = 16
+MAX_THREADS = 512
+
+
+class ResidualAttnRes(Template):
+    name = "residual_attn_res"
+    kernel_file = "residual_attn_res.py"
+    doc = "[residual add +] AttnRes read over sealed blocks [+ RMSNorm], one CTA per row, 128-bit loads"
+
+    def constants(self, *, bucket: int, d: int, nb: int, add: bool = True, has_prefix: bool = True,
+                  out_norm: bool = True, eps: float = 1e-5, out_eps: float = 1e-5) -> list:
+        need(bucket in BUCKETS, f"residual_attn_res: bucket {bucket} is not one of {BUCKETS}; pad the batch to "
+                                f"the next bucket")
+        need(isinstance(d, int) and d > 0 and d % 256 == 0,
+             f"residual_attn_res: row length d={d} must be a positive multiple of 256 (8 elements x 32 threads); "
+             f"pad the hidden size or use the eager reference")
+        need(isinstance(nb, int) and 0 <= nb <= MAX_NB,
+             f"residual_attn_res: nb={nb} sealed blocks is outside 0..{MAX_NB} (K3 has at most 8); raise MAX_NB "
+             f"only after checking registers (2*(nb+1) fp32 statistics per thread) or use the eager op")
+        need(add or has_prefix, "residual_attn_res: add=False and has_prefix=False leaves no input row; pass "
+                                "has_prefix=True (attn_res reads a prefix) or add=True")
+        need(eps > 0 and out_eps > 0, f"residual_attn_res: eps={eps} and out_eps={out_eps} must be > 0 "
+                                      f"(take them from the model config)")
+        threads = min(MAX_THREADS, d // 8)
+        while (d // 8) % threads:  # d // 8 is a multiple of 32, so this stops at 32 at worst
+            threads -= 32
+        return [const("M", bucket, "rows (the batch bucket)"),
+                const("D", d, "row length (hidden size)"),
+                const("NB", nb, "sealed blocks read by AttnRes (0: out = prefix)"),
+                const("ADD", bool(add), "new_prefix = prefix + a (written out)"),
+                const("HAS_PREFIX", bool(has_prefix), "a prefix is read (else new_prefix = a)"),
+                const("OUT_NORM", bool(out_norm), "y = RMSNorm(out) (else y = out)"),
+                const("EPS", float(eps), "AttnRes key-norm epsilon"),
+                const("OUT_EPS", float(out_eps), "output RMSNorm epsilon"),
+                const("THREADS", threads, "threads per CTA (one row per CTA)")]
+
+    def examples(self):
+        ex = {}
+        for cfg, d, nb in (("mini", 256, 2), ("k3tp8", 7168, 4)):
+            for b in (1, 8, 64):
+                ex[f"{cfg}_b{b}"] = {"bucket": b, "d": d, "nb": nb}
+        ex["mini_attnres_b1"] = {"bucket": 1, "d": 256, "nb": 2, "add": False, "out_norm": False}
+        ex["mini_attnresnorm_b4"] = {"bucket": 4, "d": 256, "nb": 3, "add": False, "out_norm": True}
+        ex["mini_nb0_b2"] = {"bucket": 2, "d": 256, "nb": 0}  # == add_rms_norm
+        ex["mini_noprefix_b2"] = {"bucket": 2, "d": 256, "nb": 1, "has_prefix": False}
+        ex["k3tp8_attnresnorm_b1"] = {"bucket": 1, "d": 7168, "nb": 8, "add": False, "out_norm": True}
+        ex["k3tp8_nb16_b8"] = {"bucket": 8, "d": 7168, "nb": 16}
+        ex["k3tp8_addnorm_b64"] = {"bucket": 64, "d": 7168, "nb": 0}
+        return ex
+
+    def args(self, c):
+        m, d, nb = c["M"], c["D"], c["NB"]
+        out = []
+        if c["ADD"]:
+            out.append(Arg("a", "bf16", (m, d), "act"))
+        if c["HAS_PREFIX"]:
+            out.append(Arg("prefix", "bf16", (m, d), "act"))
+        if nb > 0:
+            out += [Arg("blocks", "bf16", (m, nb, d), "act"), Arg("norm_weight", "bf16", (d,), "weight"),
+                    Arg("proj_weight", "bf16", (d,), "weight")]
+        if c["OUT_NORM"]:
+            out.append(Arg("out_norm_weight", "bf16", (d,), "weight"))
+        out.append(Arg("y", "bf16", (m, d), "out"))
+        if c["ADD"]:
+            out.append(Arg("new_prefix", "bf16", (m, d), "out"))
+        return out
+
+    def random_inputs(self, c, gen):
+        m, d, nb = c["M"], c["D"], c["NB"]
+        bf = torch.bfloat16
+        x = {}
+        if c["ADD"]:
+            x["a"] = (0.5 * torch.randn(m, d, generator=gen)).to(bf)
+        if c["HAS_PREFIX"]:
+            x["prefix"] = torch.randn(m, d, generator=gen).to(bf)
+        if nb > 0:
+            scales = 0.5 + 2.0 * torch.rand(nb, generator=gen)  # blocks of different magnitudes
+            x["blocks"] = (torch.randn(m, nb, d, generator=gen) * scales[None, :, None]).to(bf)
+            x["norm_weight"] = (1 + 0.1 * torch.randn(d, generator=gen)).to(bf)
+            # projection of norm ~1: logits of std ~1, so the softmax really mixes the sources
+            x["proj_weight"] = ((0.5 + torch.rand(d, generator=gen)) * torch.randn(d, generator=gen).sign()
+                                / d ** 0.5).to(bf)
+        if c["OUT_NORM"]:
+            x["out_norm_weight"] = (1 + 0.1 * torch.randn(d, generator=gen)).to(bf)
+        return x
+
+    def torch_baseline(self, c, d):
+        from k3compile.models import ops
+
+        def run():
+            p = d["prefix"] if c["HAS_PREFIX"] else None
+            if c["ADD"]:
+                p = d["a"] if p is None else p + d["a"]
+                d["new_prefix"].copy_(p)
+            out = ops.attn_res(p, d["blocks"], d["norm_weight"], d["proj_weight"], c["EPS"]) if c["NB"] else p
+            d["y"].copy_(ops.rms_norm(out, d["out_norm_weight"], c["OUT_EPS"]) if c["OUT_NORM"] else out)
+        return run
+
+    def reference(self, c, inputs):
+        """float64, rounding to bf16 only where the model stores a bf16 tensor (new_prefix, the AttnRes output)."""
+        def bf16(t):
+            return t.to(torch.bfloat16).double()
+
+        if c["ADD"]:
+            a = inputs["a"].double()
+            new_prefix = bf16(inputs["prefix"].double() + a) if c["HAS_PREFIX"] else a
+        else:
+            new_prefix = inputs["prefix"].double()
+        res = {}
+        if c["ADD"]:
+            res["new_prefix"] = new_prefix
+        if c["NB"] > 0:
+            values = torch.cat([inputs["blocks"].double(), new_prefix[:, None, :]], dim=1)  # [M, NB+1, D]
+            keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + c["EPS"])
+            w = inputs["norm_weight"].double() * inputs["proj_weight"].double()
+            alpha = torch.softmax((keys * w).sum(-1), dim=-1)
+            out = bf16((alpha[..., None] * values).sum(1))
+        else:
+            out = new_prefix
+        if c["OUT_NORM"]:
+            normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c["OUT_EPS"])
+            res["y"] = inputs["out_norm_weight"].double() * normed
+        else:
+            res["y"] = out
+        return res
+
+    def flops(self, c):
+        m, d, nb = c["M"], c["D"], c["NB"]
+        f = m * d if c["ADD"] and c["HAS_PREFIX"] else 0
+        if nb > 0:
+            f += m * d * (nb + 1) * 6  # squares + dots (4) and the weighted mix (2)
+        if c["OUT_NORM"]:
+            f += m * d * 4
+        return f

@@ -1,0 +1,168 @@
+"""Template ``gemv`` on the CPU: every example compiles for sm_90a without spills, with 128-bit weight
+loads and the PDL wait before the dependents launch; rendering is deterministic; bad parameters fail
+with a message naming the fix; the reference follows the dialect ops; and the kernel's work split
+(constants -> tasks -> outputs) covers every output exactly once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3compile import build
+from templates import TemplateError, get
+
+T = get("gemv")
+EXAMPLES = T.examples()
+
+
+def _point(label):
+    return T.point(**EXAMPLES[label])
+
+
+def test_examples_cover_the_required_labels():
+    for cfg in ("mini", "k3tp8"):
+        for b in (1, 8, 64):
+            assert f"{cfg}_b{b}" in EXAMPLES
+    pros = {e.get("pro", "none") for e in EXAMPLES.values()}
+    assert pros == {"none", "rms_norm", "situ"}
+    splits = {(0 < e.get("n_f32", 0), e.get("n_f32", 0) < e["n"]) for e in EXAMPLES.values()}
+    assert splits == {(False, True), (True, False), (True, True)}  # bf16 only, fp32 only, both
+
+
+def test_examples_compile_for_sm90a_without_spills(tmp_path):
+    points = {label: _point(label) for label in EXAMPLES}
+    reports = build.build([build.job_for(p) for p in points.values()], tmp_path)
+    for label, p in points.items():
+        rep = reports[p.name]
+        assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (label, rep)
+        assert rep["stack_bytes"] == 0, (label, rep)
+        ptx = (tmp_path / p.name / "kernel.ptx").read_text()
+        assert ".target sm_90a" in ptx, label
+        assert "ld.global.v4" in ptx, f"{label}: weight loads are not 128-bit"
+        assert "ld.local" not in ptx and "st.local" not in ptx, label
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        assert 0 <= wait < launch, f"{label}: griddepcontrol.wait must come before launch_dependents"
+        # no activation is read before the wait: the only global loads before it are none at all
+        assert "ld.global" not in ptx[:wait], f"{label}: a global load precedes griddepcontrol.wait"
+
+
+def test_render_is_deterministic_and_reads_like_a_kernel():
+    p = _point("mini_rmsnorm_b2")
+    a, b = p.render(), T.point(**EXAMPLES["mini_rmsnorm_b2"]).render()
+    assert a == b
+    assert "example values" not in a
+    assert "PRO = 'rms_norm'" in a and "N_F32 = 16" in a and "M = 2" in a
+    compile(a, "gemv_rendered.py", "exec")  # valid Python
+    assert a.count("# constants of this instance") == 1
+    # different points render differently and get different names
+    q = _point("mini_b1")
+    assert q.render() != a and q.name != p.name
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"bucket": 3, "n": 64, "k": 256}, ["bucket 3", "pad the batch"]),
+    ({"bucket": 1, "n": 64, "k": 204}, ["k=204", "multiple of 8", "pad K"]),
+    ({"bucket": 1, "n": 64, "k": 0}, ["multiple of 8"]),
+    ({"bucket": 1, "n": 0, "k": 256}, ["positive"]),
+    ({"bucket": 1, "n": 64, "k": 256, "n_f32": 65}, ["n_f32=65", "fp32 ones come first"]),
+    ({"bucket": 1, "n": 64, "k": 256, "pro": "silu"}, ["'silu'", "rms_norm"]),
+    ({"bucket": 1, "n": 64, "k": 256, "pro": "rms_norm", "eps": 0.0}, ["eps"]),
+    ({"bucket": 1, "n": 64, "k": 256, "pro": "situ", "beta": -1.0}, ["beta", "4.0"]),
+])
+def test_bad_params_raise_a_useful_error(params, words):
+    with pytest.raises(TemplateError) as e:
+        T.point(**params)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("label", list(EXAMPLES))
+def test_constants_and_args_are_consistent(label):
+    c = _point(label).c
+    assert c["K"] % 8 == 0 and c["N"] % c["ROWS"] == 0 and c["M"] % c["MB"] == 0
+    assert c["ROWS"] * c["MB"] <= 32  # accumulators per lane stay in registers
+    args = T.args(c)
+    names = [a.name for a in args]
+    assert names[0] == "w" and args[0].role == "weight" and args[0].shape == (c["N"], c["K"])
+    assert ("y_f32" in names) == (c["N_F32"] > 0) and ("y_bf16" in names) == (c["N_F32"] < c["N"])
+    for a in args:
+        assert a.nbytes > 0
+    assert T.bytes(c) >= args[0].nbytes and T.flops(c) == 2 * c["M"] * c["N"] * c["K"]
+
+
+def _simulate(c, inputs):
+    """A model of the kernel's work split in float32: GRID CTAs x WARPS warps stride over (row group,
+    batch chunk) tasks; each lane sums its 8-element vectors along K, then the warp sums the lanes.
+    Returns the outputs and how many times each (m, n) was written."""
+    M, N, K, NF = c["M"], c["N"], c["K"], c["N_F32"]
+    xin = T.xin(c, inputs).float()
+    w = inputs["w"].float()
+    y = torch.full((M, N), float("nan"))
+    writes = torch.zeros(M, N, dtype=torch.int64)
+    mchunks = M // c["MB"]
+    tasks = (N // c["ROWS"]) * mchunks
+    vec_lane = torch.arange(K // 8) % 32  # 8-element vector v along K belongs to lane v % 32 (last step partial)
+    lanes_k = [torch.arange(K).reshape(-1, 8)[vec_lane == lane].reshape(-1) for lane in range(32)]
+    for cta in range(c["GRID"]):
+        for warp in range(c["WARPS"]):
+            for task in range(cta * c["WARPS"] + warp, tasks, c["GRID"] * c["WARPS"]):
+                n0, m0 = (task // mchunks) * c["ROWS"], (task % mchunks) * c["MB"]
+                rows = torch.arange(n0, n0 + c["ROWS"])
+                ms = torch.arange(m0, m0 + c["MB"])
+                part = torch.stack([xin[ms][:, ks] @ w[rows][:, ks].T for ks in lanes_k], -1)  # per lane
+                y[m0:m0 + c["MB"], n0:n0 + c["ROWS"]] = part.sum(-1)
+                writes[m0:m0 + c["MB"], n0:n0 + c["ROWS"]] += 1
+    return {"y_f32": y[:, :NF], "y_bf16": y[:, NF:].to(torch.bfloat16)}, writes
+
+
+@pytest.mark.parametrize("label", [lbl for lbl in EXAMPLES if lbl.startswith("mini_")])
+def test_work_split_covers_every_output_once(label):
+    c = _point(label).c
+    inputs = T.random_inputs(c, torch.Generator().manual_seed(0))
+    out, writes = _simulate(c, inputs)
+    assert bool((writes == 1).all()), f"{label}: outputs written {writes.min()}..{writes.max()} times"
+    ref = T.reference(c, inputs)
+    assert set(ref) == {a.name for a in T.args(c) if a.role == "out"}
+    for name, r in ref.items():
+        err = (out[name].double() - r).norm() / r.norm()
+        assert err <= T.tolerance(c), (label, name, float(err))
+
+
+@pytest.mark.parametrize("label", [lbl for lbl in EXAMPLES if lbl.startswith("mini_")])
+def test_inputs_are_realistic_and_reference_matches_the_dialect(label):
+    from k3compile import dialect
+
+    c = _point(label).c
+    gen = torch.Generator().manual_seed(1)
+    inputs = T.random_inputs(c, gen)
+    args = {a.name: a for a in T.args(c)}
+    assert set(inputs) == {n for n, a in args.items() if a.role != "out"}
+    for name, t in inputs.items():
+        assert t.shape == args[name].shape and t.dtype == args[name].torch_dtype, name
+        assert torch.isfinite(t).all() and t.abs().mean() > 0.01, name
+    ref = T.reference(c, inputs)
+    for name, r in ref.items():
+        assert r.dtype == torch.float64 and r.shape == args[name].shape and r.abs().mean() > 1e-3
+    # the dialect op this point implements, computed the eager way
+    w = inputs["w"]
+    if c["PRO"] == "none":
+        eager = torch.nn.functional.linear(inputs["x"].float(), w.float())
+    elif c["PRO"] == "rms_norm":
+        eager = dialect.rms_norm_linear_impl(inputs["x"], inputs["norm_weight"], c["EPS"], w).float()
+    else:
+        eager = dialect.situ_linear_impl(inputs["gate"], inputs["up"], w, c["BETA"], c["LINEAR_BETA"]).float()
+    full = torch.cat([ref[n] for n in ("y_f32", "y_bf16") if n in ref], dim=1)
+    err = (eager.double() - full).norm() / full.norm()
+    assert err <= 1e-2, (label, float(err))
+
+
+def test_tolerance_is_tight_enough_to_catch_a_wrong_prologue():
+    c = _point("mini_rmsnorm_b2").c
+    inputs = T.random_inputs(c, torch.Generator().manual_seed(2))
+    ref = T.reference(c, inputs)["y_bf16"]
+    wrong = inputs["x"].double() @ inputs["w"].double().T  # the prologue forgotten
+    err = (wrong[:, c["N_F32"]:] - ref).norm() / ref.norm()
+    assert err > 10 * T.tolerance(c)
+    assert math.isclose(T.tolerance(c), 1e-2)

@@ -1,0 +1,281 @@
+"""Templates moe_gate_up / moe_down_combine on the CPU: the in-register MXFP4 decode (prmt byte tables, sign
+gather, two-factor E8M0 scale) mirrored bit-exactly in numpy against models/mxfp4.dequantize for every code
+byte x every scale byte; every example compiles for sm_90a without spills; rendering is deterministic; bad
+parameters are refused; the float64 references agree with the dialect op routed_experts."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from k3compile import dialect
+from k3compile.models import mxfp4
+from k3compile.templates import TemplateError, get
+from k3compile.templates.base import BEGIN, END, KERNELS_DIR
+
+GU, DC = get("moe_gate_up"), get("moe_down_combine")
+DECODE_BEGIN, DECODE_END = "# >>> mxfp4 decode", "# <<< mxfp4 decode"
+
+
+def _decode_section(file: str) -> str:
+    src = (KERNELS_DIR / file).read_text()
+    return src[src.index(DECODE_BEGIN):src.index(DECODE_END)]
+
+
+def _decode_constants() -> dict:
+    """LUT_LO, LUT_HI, SEL_PAIR, SEL_SIGN exactly as the kernels define them (ast, no cutlass import)."""
+    env: dict = {}
+    for node in ast.parse(_decode_section("moe_gate_up.py")).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "_s32" or \
+                isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
+            exec(compile(ast.Module([node], []), "<decode>", "exec"), env)
+    return {k: v for k, v in env.items() if k.isupper()}
+
+
+K = _decode_constants()
+U32 = np.uint64(0xFFFFFFFF)
+
+
+# ---------------------------------------------------------------------------------- numpy mirror of the kernel
+def prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): result byte k = byte (sel nibble k & 7) of {b:a}; nibble bit 3 replicates
+    that byte's msb. Only sel[15:0] is used. Works elementwise on uint64 arrays holding 32-bit values."""
+    a, b, sel = (np.asarray(v, dtype=np.int64).astype(np.uint64) & U32 for v in (a, b, sel))
+    src = [(a >> np.uint64(8 * k)) & np.uint64(0xFF) for k in range(4)] + \
+          [(b >> np.uint64(8 * k)) & np.uint64(0xFF) for k in range(4)]
+    shape = np.broadcast_shapes(a.shape, b.shape, sel.shape)
+    src = np.stack([np.broadcast_to(v, shape) for v in src], axis=-1)
+    out = np.zeros(shape, dtype=np.uint64)
+    for k in range(4):
+        nib = np.broadcast_to((sel >> np.uint64(4 * k)) & np.uint64(0xF), out.shape)
+        byte = np.take_along_axis(src, (nib & np.uint64(7)).astype(np.int64)[..., None], -1)[..., 0]
+        rep = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= np.where(nib & np.uint64(8), rep, byte) << np.uint64(8 * k)
+    return out
+
+
+def decode_e2m1x8(q):
+    """The kernel's decode_e2m1x8, op for op: 8 codes per word -> 4 bf16x2 words."""
+    q = np.asarray(q, dtype=np.uint64) & U32
+    mag = q & np.uint64(0x77777777)
+    mag_hi = mag >> np.uint64(16)
+    lo0, hi0 = prmt(K["LUT_LO"][0], K["LUT_LO"][1], mag), prmt(K["LUT_HI"][0], K["LUT_HI"][1], mag)
+    lo1, hi1 = prmt(K["LUT_LO"][0], K["LUT_LO"][1], mag_hi), prmt(K["LUT_HI"][0], K["LUT_HI"][1], mag_hi)
+    q4 = (q << np.uint64(4)) & U32
+    out = []
+    for b in range(4):
+        lo, hi = (lo0, hi0) if b < 2 else (lo1, hi1)
+        pair = prmt(lo, hi, K["SEL_PAIR"][b % 2])
+        sign = prmt(q4, q, K["SEL_SIGN"][b]) & np.uint64(0x80008000)
+        out.append(pair | sign)
+    return out
+
+
+def _f32(bits):
+    return (np.asarray(bits, dtype=np.uint64) & U32).astype(np.uint32).view(np.float32)
+
+
+def bf16x2_lo(w):
+    return _f32(w << np.uint64(16))
+
+
+def bf16x2_hi(w):
+    return _f32(w & np.uint64(0xFFFF0000))
+
+
+def e8m0_factors(s):
+    s = np.asarray(s, dtype=np.uint64)
+    half = s >> np.uint64(1)
+    return _f32((half + np.uint64(64)) << np.uint64(23)), _f32((s - half + np.uint64(63)) << np.uint64(23))
+
+
+def decode_values(words):
+    """[..., 4] words (one 16-byte MX block) -> [..., 32] fp32 code values in element order."""
+    vals = []
+    for wi in range(4):
+        for p, w in enumerate(decode_e2m1x8(words[..., wi])):
+            vals += [bf16x2_lo(w), bf16x2_hi(w)]
+    return np.stack(vals, axis=-1)
+
+
+# ------------------------------------------------------------------------------------------------ decode tests
+def test_decode_sections_identical():
+    assert _decode_section("moe_gate_up.py") == _decode_section("moe_down_combine.py")
+
+
+def test_decode_every_byte_every_scale_matches_dequantize():
+    # block r holds byte (r + 37 * pos) % 256 at position pos: every byte value at every position of every
+    # word, with different bytes side by side (so a selector that reads the wrong byte cannot hide)
+    rows = ((np.arange(256)[:, None] + 37 * np.arange(16)[None, :]) % 256).astype(np.uint8)  # [256, 16]
+    words = rows.view("<u4").astype(np.uint64)  # [256, 4] little-endian, as recast_tensor on the GPU
+    vals = decode_values(words)  # [256, 32]
+    scales = np.arange(256, dtype=np.uint64)
+    fa, fb = e8m0_factors(scales)  # [256]
+    with np.errstate(over="ignore"):
+        got = (vals[None, :, :] * fa[:, None, None]) * fb[:, None, None]  # [scale, byte, 32] fp32, kernel order
+    packed = torch.from_numpy(rows)[None].expand(256, -1, -1).contiguous()
+    scale = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(-1, 256, 1).contiguous()
+    ref32 = mxfp4.dequantize(packed, scale, torch.float32).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), ref32.view(np.uint32))  # bit-exact, signed zeros too
+    ref16 = mxfp4.dequantize(packed, scale, torch.bfloat16)
+    assert torch.equal(torch.from_numpy(got.copy()).to(torch.bfloat16).view(torch.int16), ref16.view(torch.int16))
+
+
+def test_decode_random_words_and_block_dot():
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, (4096, 16), dtype=np.uint8)
+    s = rng.integers(0, 256, 4096).astype(np.uint8)
+    vals = decode_values(rows.view("<u4").astype(np.uint64))
+    ref = mxfp4.dequantize(torch.from_numpy(rows), torch.ones(4096, 1, dtype=torch.uint8) * 127, torch.float32)
+    np.testing.assert_array_equal(vals, ref.numpy())
+    # the kernel's block dot: fp32 FMAs on (code value, x) then the two scale factors
+    ok = (s >= 100) & (s <= 150)
+    x = torch.randn(4096, 32, dtype=torch.float64).to(torch.bfloat16)
+    xw = x.view(torch.int16).numpy().view(np.uint16).astype(np.uint64).reshape(4096, 16, 2)
+    xpairs = xw[..., 0] | (xw[..., 1] << np.uint64(16))
+    xv = np.stack([np.stack([bf16x2_lo(xpairs[:, k]), bf16x2_hi(xpairs[:, k])], -1) for k in range(16)], 1)
+    xv = xv.reshape(4096, 32)
+    np.testing.assert_array_equal(xv, x.float().numpy())
+    fa, fb = e8m0_factors(s.astype(np.uint64))
+    with np.errstate(over="ignore"):
+        dot = ((vals * xv).sum(-1, dtype=np.float32) * fa) * fb
+    ref_dot = (mxfp4.dequantize(torch.from_numpy(rows), torch.from_numpy(s)[:, None], torch.float64) * x.double()).sum(-1)
+    rel = np.abs(dot[ok] - ref_dot.numpy()[ok]) / (np.abs(ref_dot.numpy()[ok]) + 1e-30 + 1e-6 * np.abs(
+        (mxfp4.dequantize(torch.from_numpy(rows), torch.from_numpy(s)[:, None], torch.float64).abs()
+         * x.double().abs()).sum(-1).numpy()[ok]))
+    assert rel.max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ template tests
+def _module_constants(src: str) -> dict:
+    env: dict = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets) \
+                and not any(isinstance(n, ast.Call) for n in ast.walk(node)):
+            exec(compile(ast.Module([node], []), "<constants>", "exec"), env)
+    return env
+
+
+@pytest.mark.parametrize("T", [GU, DC], ids=lambda t: t.name)
+def test_examples_render_deterministic(T):
+    ex = T.examples()
+    assert {f"{c}_b{b}" for c in ("mini", "k3tp8") for b in (1, 8, 64)} <= set(ex)
+    text = T.source()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and "# (example values" in text
+    for label, params in ex.items():
+        p1, p2 = T.point(**params), T.point(**params)
+        src = p1.render()
+        assert src == p2.render() and p1.key() == p2.key()
+        assert BEGIN not in src and "example values" not in src
+        env = _module_constants(src)
+        for k, v in p1.c.items():
+            assert env[k] == v, (label, k)
+        c = p1.c
+        assert env["BPL"] * env["G"] == c[("L" if T is GU else "I")] // 32, label
+        if T is GU:
+            assert env["TILES"] * env["RPC"] == c["I"] and 2 * env["G"] <= 32
+        else:
+            assert env["TILES"] * env["WARPS"] == c["L"]
+
+
+def test_kernel_signatures_follow_args():
+    for T, file in ((GU, "moe_gate_up.py"), (DC, "moe_down_combine.py")):
+        src = (KERNELS_DIR / file).read_text()
+        sig = re.search(r"def __call__\(self, (.*?), stream\)", src, re.S).group(1)
+        params = [p.split(":")[0].strip() for p in sig.split(",")]
+        args = T.point(**T.examples()["mini_b1"]).args()
+        assert len(params) == len(args), file
+        for p, a in zip(params, args):  # mZ <-> z, mW1 <-> w1_packed, ...
+            assert p.startswith("m"), p
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"bucket": 3}, "bucket"), ({"latent": 100}, "multiple of 32"), ({"inter": 48}, "multiple of 32"),
+    ({"top_k": 17, "n_experts": 16}, "top_k"), ({"n_experts": 2000}, "n_experts"), ({"top_k": 0}, "top_k"),
+])
+def test_bad_params(bad, msg):
+    for T in (GU, DC):
+        params = {**T.examples()["mini_b1"], **bad}
+        with pytest.raises(TemplateError, match=msg):
+            T.point(**params)
+    with pytest.raises(TemplateError, match="beta"):
+        GU.point(**{**GU.examples()["mini_b1"], "beta": 0.0})
+
+
+def test_bytes_and_flops():
+    for T in (GU, DC):
+        for label, params in T.examples().items():
+            c = T.point(**params).c
+            assert T.flops(c) > 0 and T.bytes(c) > 0
+    c1, c64 = GU.point(**GU.examples()["k3tp8_b1"]).c, GU.point(**GU.examples()["k3tp8_b64"]).c
+    per_expert = 2 * 384 * (1792 + 112)
+    assert abs(GU.bytes(c1) - 16 * per_expert) < 0.01 * 16 * per_expert
+    assert GU.bytes(c64) < 896 * per_expert * 1.01
+
+
+@pytest.mark.parametrize("label", ["mini_b1", "mini_b8", "k3tp8_b1"])
+def test_references_agree_with_dialect(label):
+    params = GU.examples()[label]
+    cg = GU.point(**params).c
+    cd = DC.point(**params).c
+    gen = torch.Generator().manual_seed(1)
+    inp = GU.random_inputs(cg, gen)
+    ref = GU.reference(cg, inp)
+    w_sel, ids_sel = dialect._select(inp["logits"], inp["score_bias"], cg["TOPK"], cg["RENORMALIZE"], cg["SCALING"])
+    assert torch.equal(ref["ids"].long(), ids_sel)
+    assert torch.allclose(ref["weights"], w_sel.double(), rtol=0, atol=0)
+    assert ref["h"].shape == (cg["M"], cg["TOPK"], cg["I"])
+    w2, s2 = (lambda g: (torch.randint(0, 256, (cd["E"], cd["L"], cd["I"] // 2), generator=g, dtype=torch.uint8),
+                         torch.randint(120, 131, (cd["E"], cd["L"], cd["I"] // 32), generator=g,
+                                       dtype=torch.uint8)))(gen)
+    y = DC.reference(cd, {"h": ref["h"].to(torch.bfloat16), "ids": ref["ids"], "weights": ref["weights"].float(),
+                          "w2_packed": w2, "w2_scale": s2})["y"]
+    eager = dialect.routed_experts_impl(inp["z"], inp["logits"], inp["score_bias"], cg["TOPK"], cg["RENORMALIZE"],
+                                        cg["SCALING"], inp["w1_packed"], inp["w1_scale"], inp["w3_packed"],
+                                        inp["w3_scale"], w2, s2, cg["BETA"], cg["LINEAR_BETA"])
+    rel = ((y - eager.double()).norm() / eager.double().norm()).item()
+    assert rel < 1e-2, rel
+
+
+def test_random_inputs_shapes_and_ranges():
+    for T in (GU, DC):
+        for label in ("mini_b8", "k3tp8_b1"):
+            c = T.point(**T.examples()[label]).c
+            inp = T.random_inputs(c, torch.Generator().manual_seed(0))
+            for a in T.args(c):
+                if a.role == "out":
+                    continue
+                t = inp[a.name]
+                assert tuple(t.shape) == a.shape and t.dtype == a.torch_dtype, (label, a.name)
+                if t.is_floating_point():
+                    assert t.abs().max() > 0
+            for k in ("w1_scale", "w3_scale", "w2_scale"):
+                if k in inp:
+                    assert 120 <= int(inp[k].min()) and int(inp[k].max()) <= 130
+    c = DC.point(**DC.examples()["k3tp8_b8"]).c
+    ids = DC.random_inputs(c, torch.Generator().manual_seed(0))["ids"]
+    assert all(len(set(r.tolist())) == c["TOPK"] for r in ids)
+
+
+# ------------------------------------------------------------------------------------------------ compile tests
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    from k3compile import build
+
+    pts = {(T.name, label): T.point(**params) for T in (GU, DC) for label, params in T.examples().items()}
+    # an uneven slot count (TOPK % slots-per-pass != 0) exercises the clamped last pass of moe_down_combine
+    pts[("moe_down_combine", "mini_k6")] = DC.point(**{**DC.examples()["mini_b1"], "top_k": 6})
+    reps = build.build([build.job_for(p) for p in pts.values()], tmp_path_factory.mktemp("moe_build"))
+    return {k: reps[p.name] for k, p in pts.items()}
+
+
+@pytest.mark.timeout(1800)
+def test_examples_compile_without_spills(reports):
+    assert len(reports) == 13
+    for key, rep in reports.items():
+        assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (key, rep)
+        assert rep["stack_bytes"] == 0, (key, rep)

@@ -1,0 +1,207 @@
+"""Template residual_attn_res on the CPU: every example compiles for sm_90a without spills, the kernel's
+argument unpacking matches args(), rendering is deterministic, bad parameters are refused, and the float64
+reference agrees with the dialect's eager ops (the semantics the kernel must reproduce on the GPU)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+import torch
+
+from k3compile import dialect
+from k3compile.templates import TemplateError, get
+from k3compile.templates.base import BEGIN, END
+
+T = get("residual_attn_res")
+EXAMPLES = T.examples()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _module_constants(src: str) -> dict:
+    """Evaluate the rendered file's constants block and the plain-Python derived constants (no cutlass)."""
+    env: dict = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
+            exec(compile(ast.Module([node], []), "<constants>", "exec"), env)
+    return env
+
+
+def test_examples_cover_the_variants():
+    pts = [T.point(**p).c for p in EXAMPLES.values()]
+    kinds = {(c["ADD"], c["HAS_PREFIX"], c["OUT_NORM"], c["NB"] > 0) for c in pts}
+    assert {(True, True, True, True), (False, True, False, True), (False, True, True, True),
+            (True, True, True, False), (True, False, True, True)} <= kinds
+    for cfg in ("mini", "k3tp8"):
+        for b in (1, 8, 64):
+            assert f"{cfg}_b{b}" in EXAMPLES
+
+
+@pytest.mark.parametrize("label", sorted(EXAMPLES))
+def test_render_deterministic_and_args_match_kernel(label):
+    p1, p2 = T.point(**EXAMPLES[label]), T.point(**EXAMPLES[label])
+    src = p1.render()
+    assert src == p2.render() and p1.key() == p2.key()
+    assert src.count(BEGIN) == 0 and "example values" not in src
+    env = _module_constants(src)
+    c = p1.c
+    for k, v in c.items():
+        assert env[k] == v, k
+    # the kernel unpacks its arguments by ARG_NAMES: it must be exactly args() in order
+    assert env["ARG_NAMES"] == [a.name for a in p1.args()]
+    assert c["D"] % (8 * c["THREADS"]) == 0 and c["THREADS"] % 32 == 0 and c["THREADS"] <= 512
+    # the committed file is importable-shaped: exactly one constants block with the example note
+    text = T.source()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and "# (example values" in text
+
+
+def test_render_differs_per_point():
+    a = T.point(**EXAMPLES["mini_b1"])
+    b = T.point(**{**EXAMPLES["mini_b1"], "nb": 3})
+    assert a.key() != b.key() and a.render() != b.render()
+    assert "NB = 3" in b.render()
+
+
+@pytest.mark.parametrize("bad, what", [
+    ({"bucket": 3}, "bucket"),
+    ({"d": 300}, "multiple of 256"),
+    ({"d": 128}, "multiple of 256"),
+    ({"nb": 17}, "nb=17"),
+    ({"nb": -1}, "nb=-1"),
+    ({"add": False, "has_prefix": False}, "no input"),
+    ({"eps": 0.0}, "eps"),
+    ({"out_eps": -1.0}, "eps"),
+])
+def test_bad_params_raise(bad, what):
+    params = {**EXAMPLES["mini_b1"], **bad}
+    with pytest.raises(TemplateError, match=re.escape(what)):
+        T.point(**params)
+
+
+def test_args_per_variant():
+    names = lambda **kw: [a.name for a in T.point(**{**EXAMPLES["mini_b1"], **kw}).args()]  # noqa: E731
+    assert names() == ["a", "prefix", "blocks", "norm_weight", "proj_weight", "out_norm_weight", "y", "new_prefix"]
+    assert names(add=False, out_norm=False) == ["prefix", "blocks", "norm_weight", "proj_weight", "y"]
+    assert names(nb=0) == ["a", "prefix", "out_norm_weight", "y", "new_prefix"]
+    assert names(has_prefix=False) == ["a", "blocks", "norm_weight", "proj_weight", "out_norm_weight", "y",
+                                       "new_prefix"]
+    args = {a.name: a for a in T.point(**EXAMPLES["k3tp8_b8"]).args()}
+    assert args["blocks"].shape == (8, 4, 7168) and args["proj_weight"].shape == (7168,)
+    assert args["y"].role == "out" and args["new_prefix"].role == "out" and args["norm_weight"].role == "weight"
+
+
+def _eager(c: dict, x: dict) -> dict:
+    """The dialect op this variant implements, on the bf16 inputs (the semantics of record)."""
+    m, d = c["M"], c["D"]
+    blocks = x.get("blocks", torch.empty(m, 0, d, dtype=torch.bfloat16))
+    gen = torch.Generator().manual_seed(7)  # nb == 0: AttnRes weights are not arguments; any values do
+    nw = x.get("norm_weight", (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16))
+    pw = x.get("proj_weight", torch.randn(d, generator=gen).to(torch.bfloat16)).reshape(1, d)
+    if not c["ADD"]:
+        if c["OUT_NORM"]:
+            y = dialect.attn_res_rms_norm_impl(x["prefix"], blocks, nw, pw, c["EPS"], x["out_norm_weight"],
+                                               c["OUT_EPS"])
+        else:
+            y = dialect.attn_res_impl(x["prefix"], blocks, nw, pw, c["EPS"])
+        return {"y": y}
+    if c["HAS_PREFIX"]:
+        if c["OUT_NORM"]:  # the FFN tail with a dense partial, TP = 1
+            y, new_prefix = dialect.ffn_tail_norm_impl(None, None, 0.0, None, x["a"], "", 1, x["prefix"], blocks,
+                                                       nw, pw, c["EPS"], x["out_norm_weight"], c["OUT_EPS"])
+            if c["NB"] == 0:  # AttnRes of the prefix alone is the identity: this is add_rms_norm
+                y2, s2 = dialect.add_rms_norm_impl(x["a"], x["prefix"], x["out_norm_weight"], c["OUT_EPS"])
+                assert torch.equal(y2, y) and torch.equal(s2, new_prefix)
+        else:
+            new_prefix = dialect.ffn_tail_impl(None, None, 0.0, None, x["a"], "", 1, x["prefix"])
+            y = dialect.attn_res_impl(new_prefix, blocks, nw, pw, c["EPS"])
+        return {"y": y, "new_prefix": new_prefix}
+    assert c["OUT_NORM"]  # o_proj with no prefix yet: an identity GEMM makes the op's GEMM output a
+    eye = torch.eye(d, dtype=torch.bfloat16)
+    y, new_prefix = dialect.oproj_residual_norm_impl(x["a"], eye, "", 1, None, blocks, nw, pw, c["EPS"],
+                                                     x["out_norm_weight"], c["OUT_EPS"])
+    assert torch.equal(new_prefix, x["a"])
+    return {"y": y, "new_prefix": new_prefix}
+
+
+@pytest.mark.parametrize("label", sorted(EXAMPLES))
+def test_reference_matches_dialect(label):
+    params = dict(EXAMPLES[label])
+    params["bucket"] = min(params["bucket"], 8)  # same variant, fewer rows: keeps the CPU test fast
+    c = T.point(**params).c
+    x = T.random_inputs(c, torch.Generator().manual_seed(0))
+    names = {a.name for a in T.point(**params).args() if a.role != "out"}
+    assert set(x) == names
+    for k, v in x.items():
+        assert v.dtype == torch.bfloat16 and torch.isfinite(v).all() and (v != 0).float().mean() > 0.99, k
+    ref = T.reference(c, x)
+    assert set(ref) == {a.name for a in T.point(**params).args() if a.role == "out"}
+    eager = _eager(c, x)
+    for k in ref:
+        assert ref[k].dtype == torch.float64 and ref[k].shape == eager[k].shape
+        err = _rel(eager[k], ref[k])
+        assert err < T.tolerance(c) / 2, (k, err)
+    if "new_prefix" in ref:
+        assert torch.equal(ref["new_prefix"], eager["new_prefix"].double())  # the bf16 add is exact
+    if c["NB"] == 0 and not c["OUT_NORM"]:
+        assert torch.equal(ref["y"], x["prefix"].double())
+
+
+def test_reference_detects_wrong_semantics():
+    """The inputs make every part of the math matter: plausible mistakes miss the tolerance by far."""
+    c = T.point(**{**EXAMPLES["mini_b8"], "nb": 3}).c
+    x = T.random_inputs(c, torch.Generator().manual_seed(1))
+    ref = T.reference(c, x)["y"]
+    tol = T.tolerance(c)
+    blocks, nw, pw = x["blocks"], x["norm_weight"], x["proj_weight"].reshape(1, -1)
+    new_prefix = x["prefix"] + x["a"]
+    wrong = {
+        # a uniform mix (logits ignored), the add skipped, the output norm weight dropped, the
+        # projection weight dropped
+        "uniform": dialect.rms_norm_impl(torch.cat([blocks, new_prefix[:, None]], 1).float().mean(1)
+                                         .to(torch.bfloat16), x["out_norm_weight"], c["OUT_EPS"]),
+        "no_add": dialect.attn_res_rms_norm_impl(x["prefix"], blocks, nw, pw, c["EPS"], x["out_norm_weight"],
+                                                 c["OUT_EPS"]),
+        "no_weight": dialect.rms_norm_impl(dialect.attn_res_impl(new_prefix, blocks, nw, pw, c["EPS"]),
+                                           torch.ones_like(x["out_norm_weight"]), c["OUT_EPS"]),
+        "no_proj": dialect.attn_res_rms_norm_impl(new_prefix, blocks, nw, torch.ones_like(pw), c["EPS"],
+                                                  x["out_norm_weight"], c["OUT_EPS"]),
+    }
+    v = torch.cat([blocks, new_prefix[:, None]], 1).float()
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + c["EPS"])
+    alpha = torch.softmax((keys * (nw.float() * pw.float().reshape(-1))).sum(-1), -1)
+    wrong["keys_mixed"] = dialect.rms_norm_impl((alpha[..., None] * keys).sum(1).to(torch.bfloat16),
+                                                x["out_norm_weight"], c["OUT_EPS"])  # pitfall 6
+    for name, y in wrong.items():
+        assert _rel(y, ref) > 5 * tol, name
+    # the softmax really mixes: no source takes (almost) everything in most rows
+    assert (alpha.max(-1).values < 0.95).float().mean() > 0.5, alpha
+
+
+def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
+    """Every example compiles (no cache: a fresh directory) for sm_90a; 128-bit global accesses only."""
+    from k3compile import build
+
+    monkeypatch.setenv("K3COMPILE_CACHE", str(tmp_path / "cache"))
+    points = {label: T.point(**p) for label, p in EXAMPLES.items()}
+    jobs = {label: build.job_for(p) for label, p in points.items()}
+    reports = build.build(list(jobs.values()), tmp_path / "out", workers=2)
+    for label, job in jobs.items():
+        rep, c = reports[job.name], points[label].c
+        assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (label, rep)
+        assert rep["registers"] <= 65536 // c["THREADS"], (label, rep)
+        ptx = (tmp_path / "out" / job.name / "kernel.ptx").read_text()
+        assert ".target sm_90a" in ptx, label
+        loads, stores = re.findall(r"ld\.global\S*", ptx), re.findall(r"st\.global\S*", ptx)
+        assert loads and all(".v4" in s for s in loads + stores), (label, set(loads + stores))
+        assert "ld.local" not in ptx and "st.local" not in ptx, label
+        steps = c["D"] // (8 * c["THREADS"])
+        # every input is read at least once, every output written exactly once
+        rows_in = sum(c["NB"] if a.name == "blocks" else 1 for a in points[label].args() if a.role != "out")
+        assert len(loads) >= rows_in * steps, (label, len(loads))
+        assert len(stores) == (1 + c["ADD"]) * steps, (label, len(stores))
+        assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
