@@ -114,6 +114,7 @@ class Template:
     name: ClassVar[str]
     kernel_file: ClassVar[str]
     doc: ClassVar[str] = ""
+    libs: ClassVar[tuple[str, ...]] = ()  # files in templates/kernels/ the kernel imports (part of its identity)
     check_spills: ClassVar[bool] = True  # decode kernels must not spill (checked from the ptxas report)
     archs: ClassVar[tuple[str, ...]] = ("sm_90a",)
 
@@ -170,7 +171,11 @@ class Template:
 
     @classmethod
     def source_hash(cls) -> str:
-        return hashlib.sha256(cls.source().encode()).hexdigest()
+        """Hash of the kernel file and the library files it imports: what decides the generated code."""
+        h = hashlib.sha256(cls.source().encode())
+        for lib in cls.libs:
+            h.update((KERNELS_DIR / lib).read_bytes())
+        return h.hexdigest()
 
     def render(self, point: Point, header: list[str] = ()) -> str:
         text = self.source()

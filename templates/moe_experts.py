@@ -92,6 +92,7 @@ def select_reference(logits, bias, top_k, renormalize, scaling_factor):
 class MoeGateUp(Template):
     name = "moe_gate_up"
     kernel_file = "moe_gate_up.py"
+    libs = ("mxfp4_lib.py",)
     doc = "router top-k + MXFP4 gate/up GEMVs + SiTU-GLU per (token, slot); prmt-LUT decode, 128-bit loads"
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
@@ -178,6 +179,7 @@ class MoeGateUp(Template):
 class MoeDownCombine(Template):
     name = "moe_down_combine"
     kernel_file = "moe_down_combine.py"
+    libs = ("mxfp4_lib.py",)
     doc = "MXFP4 down GEMVs of the selected experts + routing-weighted combine in registers (no atomics)"
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,

@@ -9,7 +9,6 @@ kernels of every TP 1 plan launch. To accept a reviewed change of templates or c
 """
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -18,9 +17,9 @@ import pytest
 from k3compile.codegen import plan_points, summary, write
 from k3compile.compiler import DEFAULT_BUCKETS
 from k3compile.models import k3_mini
+from golden import check_golden
 
 GOLDEN = Path(__file__).parent / "golden" / "codegen_k3_mini.txt"
-UPDATE = os.environ.get("K3_UPDATE_GOLDEN") == "1"
 TPS = (1, 2, 4, 8)
 
 
@@ -84,18 +83,7 @@ def test_coverage_is_reported_honestly(mini_codegen, mini_build):
 
 
 def test_sources_match_golden(mini_codegen, mini_build):
-    text = _golden_text(mini_codegen, mini_build[1])
-    if UPDATE:
-        GOLDEN.write_text(text)
-        return
-    assert GOLDEN.exists(), f"missing {GOLDEN}; create it with K3_UPDATE_GOLDEN=1"
-    expected = GOLDEN.read_text()
-    if text != expected:
-        import difflib
-
-        diff = "".join(list(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), GOLDEN.name,
-                                                 "now"))[:60])
-        pytest.fail(f"generated kernels changed (K3_UPDATE_GOLDEN=1 to accept after review):\n{diff}")
+    check_golden(GOLDEN, _golden_text(mini_codegen, mini_build[1]), "generated kernels")
 
 
 def test_rendering_is_deterministic(mini_codegen, mini_build, tmp_path):

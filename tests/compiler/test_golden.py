@@ -8,31 +8,18 @@ regenerate the files and review them in the commit:
     K3_UPDATE_GOLDEN=1 python -m pytest tests/compiler/test_golden.py
 """
 
-import os
 from pathlib import Path
 
-import pytest
+from golden import check_golden
 
 from k3compile.compiler import Options, lower
 from k3compile.graph_text import graph_text
 
 GOLDEN = Path(__file__).parent / "golden"
-UPDATE = os.environ.get("K3_UPDATE_GOLDEN") == "1"
 
 
 def _check(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if UPDATE:
-        path.write_text(text)
-        return
-    assert path.exists(), f"missing golden file {path}; create it with K3_UPDATE_GOLDEN=1"
-    expected = path.read_text()
-    if text != expected:
-        import difflib
-
-        diff = "".join(list(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path),
-                                                 "now"))[:80])
-        pytest.fail(f"graph text differs from {path.name} (K3_UPDATE_GOLDEN=1 to accept after review):\n{diff}")
+    check_golden(GOLDEN / name, text, "graph text")
 
 
 def test_golden_capture(mini_capture):

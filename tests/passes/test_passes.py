@@ -1,7 +1,6 @@
 """Every pass of the pipeline: golden diff on k3-mini (TP 2, bucket 1), match counts per bucket, and the
 conditions each pass promises (ensures) -- including the rejections the design depends on."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,10 +10,10 @@ from k3compile.pipeline import PassConditionError, PassContext
 from k3compile.passes.prefetch_weights import PrefetchWeights
 from k3compile.passes.shared_expert_stream import SharedExpertStream
 
+from golden import check_golden
 from harness import PASSES
 
 GOLDEN = Path(__file__).parent / "golden"
-UPDATE = os.environ.get("K3_UPDATE_GOLDEN") == "1"
 
 # k3-mini: 13 layers (9 KDA, 4 MLA), layer 0 dense, 12 MoE; TP 2 has 39 all-reduces.
 EXPECTED_MATCHES = {
@@ -35,11 +34,7 @@ EXPECTED_MATCHES = {
 def test_golden_diff(name, lowered_tp2):
     rec = next(r for r in lowered_tp2[1].meta["k3_records"] if r.name == name)
     path = GOLDEN / f"{rec.index:02d}_{name}.tp2_b1.diff"
-    text = rec.diff()
-    if UPDATE:
-        path.write_text(text)
-    assert path.exists(), f"missing {path} (K3_UPDATE_GOLDEN=1 creates it; review it in the diff)"
-    assert text == path.read_text(), f"{name}: graph diff changed (K3_UPDATE_GOLDEN=1 to accept after review)"
+    check_golden(path, rec.diff(), f"{name}: graph diff")
 
 
 @pytest.mark.parametrize("bucket", [1, 8, 64])

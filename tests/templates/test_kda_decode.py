@@ -13,6 +13,7 @@ import torch
 
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
+from template_checks import rel
 
 T = get("kda_decode")
 STATES = ("conv_q", "conv_k", "conv_v", "recurrent_state")
@@ -22,7 +23,7 @@ def _point(label):
     return T.point(**T.examples()[label])
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
@@ -132,11 +133,11 @@ def test_reference_matches_dialect(label):
     assert set(ref) == {"y", *STATES}
     for name, want in ref.items():
         assert want.dtype == torch.float64 and tuple(want.shape) == tuple(got[name].shape), name
-        err = _rel(got[name], want)
+        err = rel(got[name], want)
         assert err <= T.tolerance(c, name), (label, name, err)
     for name in ("conv_q", "conv_k", "conv_v"):  # a shift of bf16 values: exact
         assert torch.equal(ref[name], got[name].double()), name
-    assert _rel(got["y"], ref["y"]) < 5e-3  # bf16 rounding of y only (~2e-3)
+    assert rel(got["y"], ref["y"]) < 5e-3  # bf16 rounding of y only (~2e-3)
     assert T.tolerance(c) == 1e-2
 
 
@@ -150,6 +151,6 @@ def test_reference_comparison_has_teeth():
                         ("dt_bias", lambda t: t + 0.1)]:
         bad = dict(inputs, **{key: change(inputs[key])})
         ref = T.reference(c, bad)
-        assert _rel(got["recurrent_state"], ref["recurrent_state"]) > T.tolerance(c, "recurrent_state"), key
+        assert rel(got["recurrent_state"], ref["recurrent_state"]) > T.tolerance(c, "recurrent_state"), key
     ref = T.reference({**c, "EPS": 1.0}, inputs)
-    assert _rel(got["y"], ref["y"]) > T.tolerance(c, "y")
+    assert rel(got["y"], ref["y"]) > T.tolerance(c, "y")

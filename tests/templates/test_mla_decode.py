@@ -6,7 +6,6 @@ reference when emulated in float64."""
 
 from __future__ import annotations
 
-import ast
 import math
 import re
 
@@ -16,24 +15,13 @@ import torch
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
 from k3compile.templates.base import BEGIN, END
+from template_checks import module_constants, rel
 
 T = get("mla_decode")
 EXAMPLES = T.examples()
 LOG2E = 1.4426950408889634
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def _module_constants(src: str) -> dict:
-    """Evaluate the rendered file's constants block and plain-Python derived constants (no cutlass)."""
-    env: dict = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
-            exec(compile(ast.Module([node], []), "<constants>", "exec"), env)
-    return env
 
 
 def _small(label: str, lmax: int = 96, bucket: int | None = None, **kw) -> dict:
@@ -67,7 +55,7 @@ def test_render_deterministic(label):
     src = p1.render()
     assert src == p2.render() and p1.key() == p2.key()
     assert src.count(BEGIN) == 0 and "example values" not in src
-    env = _module_constants(src)
+    env = module_constants(src)
     for k, v in p1.c.items():
         assert env[k] == v, k
     assert env["THREADS"] == 32 * p1.c["H"] <= 1024
@@ -132,8 +120,8 @@ def test_reference_matches_dialect(label, bucket):
     eager = _eager(c, x)
     for k in ref:
         assert ref[k].dtype == torch.float64 and ref[k].shape == eager[k].shape, k
-        assert _rel(eager[k], ref[k]) < T.tolerance(c) / 2, (k, _rel(eager[k], ref[k]))
-    assert _rel(eager["latent"], ref["latent"]) < 1e-3  # the same bf16 values up to rare rounding ties
+        assert rel(eager[k], ref[k]) < T.tolerance(c) / 2, (k, rel(eager[k], ref[k]))
+    assert rel(eager["latent"], ref["latent"]) < 1e-3  # the same bf16 values up to rare rounding ties
 
 
 def test_reference_detects_wrong_semantics():
@@ -155,7 +143,7 @@ def test_reference_detects_wrong_semantics():
         "no_gate": call(gate=torch.full_like(x["gate"], 30.0)),
     }
     for name, y in wrong.items():
-        assert _rel(y, ref) > 3 * tol, (name, _rel(y, ref))
+        assert rel(y, ref) > 3 * tol, (name, rel(y, ref))
 
 
 def _emulate(c: dict, x: dict, ref_latent: torch.Tensor) -> torch.Tensor:
@@ -207,7 +195,7 @@ def test_split_schedule_emulation_matches_reference(splits, chunk_min):
     x["lengths"][2:5] = torch.tensor([1, 2, 33])  # tiny rows (empty splits) and an uneven split
     ref = T.reference(c, x)
     emu = _emulate(c, x, ref["latent"])
-    assert _rel(emu, ref["out"]) < 1e-12
+    assert rel(emu, ref["out"]) < 1e-12
 
 
 def test_default_splits():

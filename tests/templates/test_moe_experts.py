@@ -16,20 +16,19 @@ from k3compile import dialect
 from k3compile.models import mxfp4
 from k3compile.templates import TemplateError, get
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
+from template_checks import module_constants
 
 GU, DC = get("moe_gate_up"), get("moe_down_combine")
-DECODE_BEGIN, DECODE_END = "# >>> mxfp4 decode", "# <<< mxfp4 decode"
 
 
-def _decode_section(file: str) -> str:
-    src = (KERNELS_DIR / file).read_text()
-    return src[src.index(DECODE_BEGIN):src.index(DECODE_END)]
+def _decode_section() -> str:
+    return (KERNELS_DIR / "mxfp4_lib.py").read_text()
 
 
 def _decode_constants() -> dict:
     """LUT_LO, LUT_HI, SEL_PAIR, SEL_SIGN exactly as the kernels define them (ast, no cutlass import)."""
     env: dict = {}
-    for node in ast.parse(_decode_section("moe_gate_up.py")).body:
+    for node in ast.parse(_decode_section()).body:
         if isinstance(node, ast.FunctionDef) and node.name == "_s32" or \
                 isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
             exec(compile(ast.Module([node], []), "<decode>", "exec"), env)
@@ -103,8 +102,15 @@ def decode_values(words):
 
 
 # ------------------------------------------------------------------------------------------------ decode tests
-def test_decode_sections_identical():
-    assert _decode_section("moe_gate_up.py") == _decode_section("moe_down_combine.py")
+def test_both_kernels_use_the_decode_library():
+    for t in (GU, DC):
+        assert "from k3compile.templates.kernels.mxfp4_lib import" in t.source() and t.libs == ("mxfp4_lib.py",)
+    # the library is part of the kernels' identity: editing it renames (and recompiles) every MXFP4 kernel
+
+    class WithoutLib(type(GU)):
+        libs = ()
+
+    assert WithoutLib.source_hash() != type(GU).source_hash()
 
 
 def test_decode_every_byte_every_scale_matches_dequantize():
@@ -151,15 +157,6 @@ def test_decode_random_words_and_block_dot():
 
 
 # ------------------------------------------------------------------------------------------------ template tests
-def _module_constants(src: str) -> dict:
-    env: dict = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets) \
-                and not any(isinstance(n, ast.Call) for n in ast.walk(node)):
-            exec(compile(ast.Module([node], []), "<constants>", "exec"), env)
-    return env
-
-
 @pytest.mark.parametrize("T", [GU, DC], ids=lambda t: t.name)
 def test_examples_render_deterministic(T):
     ex = T.examples()
@@ -171,7 +168,7 @@ def test_examples_render_deterministic(T):
         src = p1.render()
         assert src == p2.render() and p1.key() == p2.key()
         assert BEGIN not in src and "example values" not in src
-        env = _module_constants(src)
+        env = module_constants(src)
         for k, v in p1.c.items():
             assert env[k] == v, (label, k)
         c = p1.c

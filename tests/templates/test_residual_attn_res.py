@@ -4,7 +4,6 @@ reference agrees with the dialect's eager ops (the semantics the kernel must rep
 
 from __future__ import annotations
 
-import ast
 import re
 
 import pytest
@@ -13,23 +12,12 @@ import torch
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
 from k3compile.templates.base import BEGIN, END
+from template_checks import module_constants, rel
 
 T = get("residual_attn_res")
 EXAMPLES = T.examples()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def _module_constants(src: str) -> dict:
-    """Evaluate the rendered file's constants block and the plain-Python derived constants (no cutlass)."""
-    env: dict = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
-            exec(compile(ast.Module([node], []), "<constants>", "exec"), env)
-    return env
 
 
 def test_examples_cover_the_variants():
@@ -48,7 +36,7 @@ def test_render_deterministic_and_args_match_kernel(label):
     src = p1.render()
     assert src == p2.render() and p1.key() == p2.key()
     assert src.count(BEGIN) == 0 and "example values" not in src
-    env = _module_constants(src)
+    env = module_constants(src)
     c = p1.c
     for k, v in c.items():
         assert env[k] == v, k
@@ -143,7 +131,7 @@ def test_reference_matches_dialect(label):
     eager = _eager(c, x)
     for k in ref:
         assert ref[k].dtype == torch.float64 and ref[k].shape == eager[k].shape
-        err = _rel(eager[k], ref[k])
+        err = rel(eager[k], ref[k])
         assert err < T.tolerance(c) / 2, (k, err)
     if "new_prefix" in ref:
         assert torch.equal(ref["new_prefix"], eager["new_prefix"].double())  # the bf16 add is exact
@@ -177,7 +165,7 @@ def test_reference_detects_wrong_semantics():
     wrong["keys_mixed"] = dialect.rms_norm_impl((alpha[..., None] * keys).sum(1).to(torch.bfloat16),
                                                 x["out_norm_weight"], c["OUT_EPS"])  # pitfall 6
     for name, y in wrong.items():
-        assert _rel(y, ref) > 5 * tol, name
+        assert rel(y, ref) > 5 * tol, name
     # the softmax really mixes: no source takes (almost) everything in most rows
     assert (alpha.max(-1).values < 0.95).float().mean() > 0.5, alpha
 
