@@ -187,9 +187,13 @@ def tp_world(tp_size: int):
         dist.destroy_process_group()
 
 
-def capture_config(config, *, tp_size: int = 1, tp_rank: int = 0, example_batch: int = 2) -> Captured:
-    """Capture the decode step of ``config`` at TP ``tp_size`` with weights on the meta device."""
+def capture_config(config, *, tp_size: int = 1, tp_rank: int = 0, example_batch: int = 2,
+                   max_context: int = 16) -> Captured:
+    """Capture the decode step of ``config`` at TP ``tp_size`` with weights on the meta device.
+
+    ``max_context`` is the MLA latent cache capacity of the state the graph is captured with (static, like
+    every state dimension): kernels generated from the graph serve sequences up to that length."""
     config.check_tp(tp_size)
     model = K3Model(config, device="meta", tp_rank=tp_rank, tp_size=tp_size)
     with tp_world(tp_size):
-        return capture(model, example_batch=example_batch)
+        return capture(model, example_batch=example_batch, max_context=max_context)

@@ -80,7 +80,8 @@ def cmd_codegen(args) -> int:
         for tp in args.tp:
             check_tp(tp)
             cfg.check_tp(tp)
-        cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch)
+        cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch,
+                         max_context=args.max_context)
     manifest = write(cg, Path(args.out), compile=not args.no_compile, package=args.package, workers=args.jobs)
     print(summary(manifest))
     print(f"wrote {args.out}/manifest.json and {len(manifest['kernels'])} kernel sources"
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--tp", type=_int_list, default=(1,), help="TP sizes, e.g. 1,2,4,8")
     cg.add_argument("--buckets", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64), help="batch buckets")
     cg.add_argument("--arch", default="sm_90a", help="GPU arch to compile for (sm_90a)")
+    cg.add_argument("--max-context", type=int, default=None,
+                    help="MLA cache capacity the kernels serve (default: the config's max_position_embeddings)")
     cg.add_argument("-o", "--out", required=True, help="output directory")
     cg.add_argument("--package", action="store_true", help="also export and link .so files + the CuTe runtime")
     cg.add_argument("--no-compile", action="store_true", help="only render the sources and the manifest")

@@ -211,6 +211,15 @@ class _Uncovered(Exception):
     pass
 
 
+def check_arch(arch: str) -> None:
+    from .templates import TEMPLATES
+
+    archs = sorted({a for t in TEMPLATES.values() for a in t.archs})
+    if arch not in archs:
+        raise ValueError(f"arch {arch} is not supported: the kernel templates are written for {', '.join(archs)}; "
+                         f"pass --arch {archs[0]}")
+
+
 _LOWERING = {
     "front_gemm": _lower_front_gemm, "linear": _lower_linear, "linear_gather": _lower_linear_gather,
     "rms_norm_linear": _lower_rms_norm_linear, "lm_head": _lower_lm_head, "situ_linear": _lower_situ_linear,
@@ -232,6 +241,7 @@ class Codegen:
     entries: list[Entry] = field(default_factory=list)
     params: dict[str, dict] = field(default_factory=dict)  # kernel name -> template params
     examples: dict[str, str] = field(default_factory=dict)  # kernel name -> "<template>:<label>" (examples mode)
+    max_context: int = 0  # MLA cache capacity the kernels serve (plan mode)
 
     def uncovered(self) -> list[Entry]:
         return [e for e in self.entries if e.uncovered]
@@ -241,13 +251,21 @@ class Codegen:
                  "node": e.node} for e in self.entries if name in e.kernels]
 
 
-def plan_points(config, *, tps, buckets, arch: str = "sm_90a") -> Codegen:
-    """Lower every layer at every (TP, bucket) and map each plan launch to template points."""
+def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int | None = None) -> Codegen:
+    """Lower every layer at every (TP, bucket) and map each plan launch to template points.
+
+    ``max_context`` (default: the config's maximum position count) is the MLA cache capacity the kernels
+    serve: the full context length unless a deployment chooses less."""
     from .plan import plans_for
 
-    cg = Codegen(config.name, arch, tuple(tps), tuple(buckets))
+    check_arch(arch)
+    max_context = config.max_position_embeddings if max_context is None else max_context
+    if max_context < 1 or max_context > config.max_position_embeddings:
+        raise ValueError(f"max_context {max_context} must be in 1..{config.max_position_embeddings} (the "
+                         f"config's max_position_embeddings)")
+    cg = Codegen(config.name, arch, tuple(tps), tuple(buckets), max_context=max_context)
     for tp in tps:
-        plans = plans_for(config, tp=tp, buckets=buckets, every_layer=True)
+        plans = plans_for(config, tp=tp, buckets=buckets, every_layer=True, max_context=max_context)
         for b, plan in plans.items():
             for lp in plan.layers:
                 groups: dict = {}  # one op can be several launches (routed experts: gate/up, down+combine)
@@ -266,6 +284,7 @@ def example_points(templates=None, labels=None, arch: str = "sm_90a") -> Codegen
     ``bench-kernels`` run. ``labels`` filters by label prefix (e.g. ``mini_``)."""
     from .templates import TEMPLATES
 
+    check_arch(arch)
     cg = Codegen("template examples", arch, (), ())
     for tname in templates or sorted(TEMPLATES):
         t = get_template(tname)
@@ -393,7 +412,7 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, *, compiled: bool, pack
              **({"uncovered": e.uncovered} if e.uncovered else {}), **({"note": e.note} if e.note else {})})
     unc = cg.uncovered()
     return {"manifest_version": MANIFEST_VERSION, "config": cg.config, "arch": cg.arch, "tp": list(cg.tps),
-            "buckets": list(cg.buckets), "versions": versions() if compiled else {}, "compiled": compiled,
+            "buckets": list(cg.buckets), "max_context": cg.max_context, "versions": versions() if compiled else {}, "compiled": compiled,
             "packaged": packaged, "kernels": kernels, "plan": plan,
             "coverage": {"plan_launches": len(cg.entries), "covered": len(cg.entries) - len(unc),
                          "uncovered": sorted({f"{e.layer_kind}/{e.launch} ({e.op}): {e.uncovered}" for e in unc})}}
@@ -401,7 +420,8 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, *, compiled: bool, pack
 
 def summary(manifest: dict) -> str:
     cov = manifest["coverage"]
-    lines = [f"k3compile codegen: {manifest['config']}, TP {manifest['tp']}, buckets {manifest['buckets']}, "
+    ctx = f", context up to {manifest['max_context']}" if manifest.get("max_context") else ""
+    lines = [f"k3compile codegen: {manifest['config']}, TP {manifest['tp']}, buckets {manifest['buckets']}{ctx}, "
              f"{manifest['arch']}: {len(manifest['kernels'])} kernels for {cov['plan_launches']} plan launches"]
     by_t: dict[str, int] = {}
     for k in manifest["kernels"].values():

@@ -383,13 +383,15 @@ def representative(config):
                             f"whole-model totals weight each type by its count in all {config.num_hidden_layers} layers")
 
 
-def plans_for(config, *, tp: int, buckets, context: int = 0, every_layer: bool = False) -> dict[int, KernelPlan]:
+def plans_for(config, *, tp: int, buckets, context: int = 0, every_layer: bool = False,
+              max_context: int = 16) -> dict[int, KernelPlan]:
     """One capture, one lowering and one plan per bucket (of the representative prefix of the layers, or
-    of ``every_layer``: codegen needs every layer, since e.g. the AttnRes block count grows with depth)."""
+    of ``every_layer``: codegen needs every layer, since e.g. the AttnRes block count grows with depth).
+    ``max_context`` is the captured cache capacity (codegen bakes it into the MLA kernels)."""
     check_tp(tp)
     config.check_tp(tp)
     rep, note = (config, "") if every_layer else representative(config)
-    cap = capture_config(rep, tp_size=tp)
+    cap = capture_config(rep, tp_size=tp, max_context=max_context)
     out = {}
     for b in buckets:
         gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=b, options=Options.make(buckets=(b,)),

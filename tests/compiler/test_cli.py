@@ -74,3 +74,40 @@ def test_bad_input_errors():
     assert r.returncode == 2 and "unknown config 'no_such_model'" in r.stderr
     r = run("diff", "--pass", "no_such_pass")
     assert r.returncode == 2 and "no pass named 'no_such_pass'" in r.stderr
+
+
+def test_codegen_sources_only(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "k"
+    assert main(["codegen", "--config", "k3_mini", "--tp", "1", "--buckets", "1", "--no-compile", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    m = json.loads((out / "manifest.json").read_text())
+    assert not m["compiled"] and m["max_context"] == 8192 and m["kernels"]
+    assert f"{len(m['kernels'])} kernels for {m['coverage']['plan_launches']} plan launches" in text
+    assert "coverage: " in text and all((out / "kernels" / n / "kernel.py").exists() for n in m["kernels"])
+
+
+def test_codegen_bad_input_names_problem_and_fix(tmp_path, capsys):
+    cases = [
+        (["--tp", "3"], "3"),
+        (["--max-context", "0"], "max_context 0 must be in 1..8192"),
+        (["--buckets", "0"], "bucket"),
+        (["--arch", "sm_80"], "pass --arch sm_90a"),
+    ]
+    for extra, msg in cases:
+        rc = main(["codegen", "--config", "k3_mini", "--buckets", "1", "--no-compile", "-o", str(tmp_path / "x"),
+                   *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and msg in err, (extra, err)
+    rc = main(["codegen", "--examples", "--templates", "no_such", "--no-compile", "-o", str(tmp_path / "y")])
+    assert rc == 2 and "no kernel template named 'no_such'" in capsys.readouterr().err
+
+
+def test_bench_kernels_without_gpu_says_so(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return  # on a GPU host this command runs for real (tests/gpu)
+    assert main(["bench-kernels", "--package", str(tmp_path)]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
