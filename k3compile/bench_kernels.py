@@ -54,7 +54,8 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         row = {"kernel": name, "example": entry.get("example", ""), "template": entry["template"],
                "bytes": point.template.bytes(point.c), "flops": point.template.flops(point.c)}
         try:
-            checks = [kc.check(point, fn, seed=1000 + 17 * i + hash(name) % 1000) for i in range(seeds)]
+            n_checks = 1 if kc.input_bytes(point) > 2**29 else seeds  # inputs drawn on the CPU: keep big ones to one
+            checks = [kc.check(point, fn, seed=1000 + 17 * i + hash(name) % 1000) for i in range(n_checks)]
             row["checks"] = checks
             row["ok"] = all(c["ok"] for c in checks)
         except Exception as e:  # noqa: BLE001 - a crashing kernel is a failed row, the run goes on

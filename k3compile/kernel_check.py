@@ -81,6 +81,10 @@ def compare(point, inputs: dict, dev: dict) -> dict:
     return {"ok": not problems, "errors": errors, "problems": problems}
 
 
+def input_bytes(point) -> int:
+    return sum(a.nbytes for a in point.args() if a.role != "out")
+
+
 def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), median of 20."""
     a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)

@@ -174,11 +174,10 @@ class Gemv(Template):
         return out
 
     def tolerance(self, c):
-        if c["N_F32"] < c["N"]:
-            return 1e-2  # a bf16 output
-        # fp32 outputs only: the bf16-rounded xin can differ in the last bit where the kernel's rsqrt /
-        # tanh approximations land near a rounding boundary; otherwise only the summation order differs.
-        return {"none": 1e-4, "rms_norm": 1e-3, "situ": 5e-3}[c["PRO"]]
+        # fp32 outputs: the bf16-rounded xin can differ in the last bit where the kernel's rsqrt / tanh
+        # approximations land near a rounding boundary; otherwise only the summation order differs.
+        # bf16 outputs: their own rounding (~2e-3).
+        return {"y_f32": {"none": 1e-4, "rms_norm": 1e-3, "situ": 5e-3}[c["PRO"]], "y_bf16": 1e-2}
 
     def flops(self, c):
         return 2 * c["M"] * c["N"] * c["K"]
