@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from . import dialect
+from .audit import audit_point
 from .graph_text import node_value
 from .templates import get as get_template
 from .templates.base import Point, TemplateError
@@ -368,7 +369,9 @@ def write(cg: Codegen, out: Path, *, compile: bool = True, package: bool = False
         d = out / "kernels" / n
         d.mkdir(parents=True, exist_ok=True)
         (d / "kernel.py").write_text(sources[n])
-    manifest = _manifest(cg, sources, reports, compiled=compile, packaged=package and compile)
+    audits = {n: audit_point(cg.points[n], (out / "kernels" / n / "kernel.ptx").read_text()).as_dict()
+              for n in reports}  # memory ordering, read from the PTX (k3compile.audit)
+    manifest = _manifest(cg, sources, reports, audits, compiled=compile, packaged=package and compile)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -384,7 +387,7 @@ def _progress(total: int, t0: float):
     return show
 
 
-def _manifest(cg: Codegen, sources: dict, reports: dict, *, compiled: bool, packaged: bool) -> dict:
+def _manifest(cg: Codegen, sources: dict, reports: dict, audits: dict, *, compiled: bool, packaged: bool) -> dict:
     from .build import versions
 
     kernels = {}
@@ -404,6 +407,7 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, *, compiled: bool, pack
             r = reports[n]
             kernels[n]["ptxas"] = {k: r[k] for k in ("registers", "stack_bytes", "spill_store_bytes",
                                                      "spill_load_bytes")}
+            kernels[n]["audit"] = audits[n]
     plan: dict = {}
     for e in cg.entries:
         kinds = plan.setdefault(f"tp{e.tp}_b{e.bucket}", {})
@@ -432,6 +436,11 @@ def summary(manifest: dict) -> str:
         spills = [n for n, k in manifest["kernels"].items() if k["ptxas"]["spill_store_bytes"]]
         lines.append(f"  compiled for {manifest['arch']}: max {worst} registers; spills in {len(spills)} kernels"
                      + (f" ({', '.join(spills[:5])})" if spills else ""))
+        bad = [n for n, k in manifest["kernels"].items() if not k["audit"]["ok"]]
+        lines.append(f"  memory-ordering audit (PTX: only weights read before griddepcontrol.wait): "
+                     f"{len(manifest['kernels']) - len(bad)} of {len(manifest['kernels'])} kernels pass")
+        for n in bad:
+            lines += [f"  audit FAILED: {p}" for p in manifest["kernels"][n]["audit"]["problems"]]
     lines.append(f"  coverage: {cov['covered']} of {cov['plan_launches']} plan launches have kernels")
     for u in cov["uncovered"]:
         lines.append(f"  uncovered: {u}")

@@ -133,6 +133,12 @@ class Template:
         """float64 results for every ``out`` argument (and every ``state`` argument, as written back)."""
         raise NotImplementedError
 
+    def kernel_params(self, c: dict) -> list[list[str]]:
+        """For each kernel entry of the compiled module (PTX order), the argument behind each of its
+        parameters: what the memory-ordering audit (k3compile.audit) checks the PTX against. Default: one
+        kernel taking every argument in order."""
+        return [[a.name for a in self.args(c)]]
+
     def examples(self) -> dict[str, dict]:
         """Named parameter sets for the kernel tests and ``bench-kernels``: labels starting ``mini_`` use
         k3-mini shapes, ``k3tp8_`` the real K3 TP8 rank-0 shard shapes (append ``_b<bucket>``)."""

@@ -175,6 +175,11 @@ class MlaDecode(Template):
             out[i] = o * torch.sigmoid(gate[i])
         return {"out": out.reshape(m, h * vd), "latent": latent}
 
+    def kernel_params(self, c):
+        # kernels/mla_decode.py: the split-context attention kernel, then the combine kernel
+        return [["q", "kv", "kv_norm_weight", "cache", "lengths", "kv_b_weight", "latent", "ws_ol", "ws_ml"],
+                ["gate", "lengths", "kv_b_weight", "out", "ws_ol", "ws_ml"]]
+
     def tolerance(self, c):
         return 1e-2
 

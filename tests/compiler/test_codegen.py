@@ -57,6 +57,7 @@ def test_every_instance_compiles_without_spills(mini_build):
         assert ".target sm_90a" in (d / "kernel.ptx").read_text(), name
         assert (d / "kernel.cubin").read_bytes()[:4] == b"\x7fELF", name
         assert k["ptxas"]["spill_store_bytes"] == 0 and k["ptxas"]["spill_load_bytes"] == 0, (name, k["ptxas"])
+        assert k["audit"]["ok"], (name, k["audit"]["problems"])  # only weights read before the PDL wait
     # every (TP, bucket) point produced kernels, and every template in use is exercised at every bucket
     for tp in TPS:
         for b in DEFAULT_BUCKETS:
