@@ -26,8 +26,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from . import dialect
 from .audit import audit_point
 from .graph_text import node_value
