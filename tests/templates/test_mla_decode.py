@@ -14,8 +14,7 @@ import torch
 
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
-from k3compile.templates.base import BEGIN, END
-from template_checks import module_constants, rel
+from template_checks import compile_examples, rel, rendered_constants
 
 T = get("mla_decode")
 EXAMPLES = T.examples()
@@ -51,16 +50,8 @@ def test_examples_present_and_sized():
 
 @pytest.mark.parametrize("label", sorted(EXAMPLES))
 def test_render_deterministic(label):
-    p1, p2 = T.point(**EXAMPLES[label]), T.point(**EXAMPLES[label])
-    src = p1.render()
-    assert src == p2.render() and p1.key() == p2.key()
-    assert src.count(BEGIN) == 0 and "example values" not in src
-    env = module_constants(src)
-    for k, v in p1.c.items():
-        assert env[k] == v, k
-    assert env["THREADS"] == 32 * p1.c["H"] <= 1024
-    text = T.source()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1 and "# (example values" in text
+    env = rendered_constants(T, EXAMPLES[label])
+    assert env["THREADS"] == 32 * env["H"] <= 1024
 
 
 def test_render_differs_per_point():
@@ -207,18 +198,12 @@ def test_default_splits():
 def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
     """Every example compiles (fresh cache) for sm_90a with no spills; both kernels are in the PTX, the
     kernels wait on their PDL dependency and the cache is never stored to (only loads of bf16 rows)."""
-    from k3compile import build
-
     monkeypatch.setenv("K3COMPILE_CACHE", str(tmp_path / "cache"))
-    points = {label: T.point(**p) for label, p in EXAMPLES.items()}
-    jobs = {label: build.job_for(p) for label, p in points.items()}
-    reports = build.build(list(jobs.values()), tmp_path / "out", workers=2)
-    for label, job in jobs.items():
-        rep, c = reports[job.name], points[label].c
+    for label, (point, rep, ptx) in compile_examples(T, tmp_path / "out").items():
+        c = point.c
         assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (label, rep)
         assert rep["stack_bytes"] == 0, (label, rep)
         assert rep["registers"] <= 65536 // (32 * c["H"]), (label, rep)
-        ptx = (tmp_path / "out" / job.name / "kernel.ptx").read_text()
         assert ".target sm_90a" in ptx, label
         assert len(re.findall(r"^\.visible \.entry", ptx, re.M)) == 2, label
         assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 2

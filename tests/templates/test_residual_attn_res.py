@@ -11,8 +11,7 @@ import torch
 
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
-from k3compile.templates.base import BEGIN, END
-from template_checks import module_constants, rel
+from template_checks import compile_examples, rel, rendered_constants
 
 T = get("residual_attn_res")
 EXAMPLES = T.examples()
@@ -32,20 +31,11 @@ def test_examples_cover_the_variants():
 
 @pytest.mark.parametrize("label", sorted(EXAMPLES))
 def test_render_deterministic_and_args_match_kernel(label):
-    p1, p2 = T.point(**EXAMPLES[label]), T.point(**EXAMPLES[label])
-    src = p1.render()
-    assert src == p2.render() and p1.key() == p2.key()
-    assert src.count(BEGIN) == 0 and "example values" not in src
-    env = module_constants(src)
-    c = p1.c
-    for k, v in c.items():
-        assert env[k] == v, k
+    env = rendered_constants(T, EXAMPLES[label])
     # the kernel unpacks its arguments by ARG_NAMES: it must be exactly args() in order
-    assert env["ARG_NAMES"] == [a.name for a in p1.args()]
-    assert c["D"] % (8 * c["THREADS"]) == 0 and c["THREADS"] % 32 == 0 and c["THREADS"] <= 512
-    # the committed file is importable-shaped: exactly one constants block with the example note
-    text = T.source()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1 and "# (example values" in text
+    p = T.point(**EXAMPLES[label])
+    assert env["ARG_NAMES"] == [a.name for a in p.args()]
+    assert env["D"] % (8 * env["THREADS"]) == 0 and env["THREADS"] % 32 == 0 and env["THREADS"] <= 512
 
 
 def test_render_differs_per_point():
@@ -172,24 +162,18 @@ def test_reference_detects_wrong_semantics():
 
 def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
     """Every example compiles (no cache: a fresh directory) for sm_90a; 128-bit global accesses only."""
-    from k3compile import build
-
     monkeypatch.setenv("K3COMPILE_CACHE", str(tmp_path / "cache"))
-    points = {label: T.point(**p) for label, p in EXAMPLES.items()}
-    jobs = {label: build.job_for(p) for label, p in points.items()}
-    reports = build.build(list(jobs.values()), tmp_path / "out", workers=2)
-    for label, job in jobs.items():
-        rep, c = reports[job.name], points[label].c
+    for label, (point, rep, ptx) in compile_examples(T, tmp_path / "out").items():
+        c = point.c
         assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (label, rep)
         assert rep["registers"] <= 65536 // c["THREADS"], (label, rep)
-        ptx = (tmp_path / "out" / job.name / "kernel.ptx").read_text()
         assert ".target sm_90a" in ptx, label
         loads, stores = re.findall(r"ld\.global\S*", ptx), re.findall(r"st\.global\S*", ptx)
         assert loads and all(".v4" in s for s in loads + stores), (label, set(loads + stores))
         assert "ld.local" not in ptx and "st.local" not in ptx, label
         steps = c["D"] // (8 * c["THREADS"])
         # every input is read at least once, every output written exactly once
-        rows_in = sum(c["NB"] if a.name == "blocks" else 1 for a in points[label].args() if a.role != "out")
+        rows_in = sum(c["NB"] if a.name == "blocks" else 1 for a in point.args() if a.role != "out")
         assert len(loads) >= rows_in * steps, (label, len(loads))
         assert len(stores) == (1 + c["ADD"]) * steps, (label, len(stores))
         assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
