@@ -89,7 +89,15 @@ def select_reference(logits, bias, top_k, renormalize, scaling_factor):
     return weights * scaling_factor, ids
 
 
-class MoeGateUp(Template):
+class _RoutedExperts(Template):
+    """What the two launches of the routed experts share: their parameters and example points."""
+
+    def examples(self):
+        return {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
+                for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
+
+
+class MoeGateUp(_RoutedExperts):
     name = "moe_gate_up"
     kernel_file = "moe_gate_up.py"
     libs = ("mxfp4_lib.py",)
@@ -115,10 +123,6 @@ class MoeGateUp(Template):
                                                                    "SiTU linear beta"),
                 const("G", g, "lanes sharing one weight row"),
                 const("WARPS", warps, "warps per CTA (half gate, half up)")]
-
-    def examples(self):
-        return {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
-                for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
@@ -176,7 +180,7 @@ class MoeGateUp(Template):
         return int(round(per_expert * _expected_experts(c))) + acts + outs
 
 
-class MoeDownCombine(Template):
+class MoeDownCombine(_RoutedExperts):
     name = "moe_down_combine"
     kernel_file = "moe_down_combine.py"
     libs = ("mxfp4_lib.py",)
@@ -194,10 +198,6 @@ class MoeDownCombine(Template):
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
                 const("G", g, "lanes sharing one (slot, weight row)"),
                 const("WARPS", warps, "warps per CTA (one output element per warp)")]
-
-    def examples(self):
-        return {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
-                for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
