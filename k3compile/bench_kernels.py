@@ -19,18 +19,7 @@ import platform
 import sys
 import time
 
-from .package import KernelPackage, PackageError
-
-
-def _point(name: str, entry: dict):
-    from .templates import get
-
-    p = get(entry["template"]).point(arch=entry["arch"], **entry["parameters"])
-    if p.name != name:
-        raise PackageError(f"kernel {name} was built from other template sources than this checkout's "
-                           f"{entry['template']} (rebuilt point is {p.name}). Fix: rebuild the package with this "
-                           f"checkout (k3compile codegen ... --package)")
-    return p
+from .package import KernelPackage
 
 
 def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = None, timing: bool = True) -> int:
@@ -49,7 +38,7 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
     rows, failed = [], 0
     for name in names:
         entry = pkg.kernels[name]
-        point = _point(name, entry)
+        point = pkg.point(name)
         fn = pkg.function(name)
         row = {"kernel": name, "example": entry.get("example", ""), "template": entry["template"],
                "bytes": point.template.bytes(point.c), "flops": point.template.flops(point.c)}

@@ -43,6 +43,20 @@ class KernelPackage:
     def kernels(self) -> dict[str, dict]:
         return self.manifest["kernels"]
 
+    def point(self, name: str):
+        """The template point a kernel was built from, rebuilt from the manifest with this checkout's
+        templates. A package built from other template sources is refused (its kernel would be checked
+        against the wrong reference)."""
+        from .templates import get
+
+        entry = self.kernels[name]
+        p = get(entry["template"]).point(arch=entry["arch"], **entry["parameters"])
+        if p.name != name:
+            raise PackageError(f"kernel {name} was built from other template sources than this checkout's "
+                               f"{entry['template']} (rebuilt point is {p.name}). Fix: rebuild the package with "
+                               f"this checkout (k3compile codegen ... --package)")
+        return p
+
     def _load_runtime(self) -> None:
         if self._runtime_loaded:
             return

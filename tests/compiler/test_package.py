@@ -62,3 +62,19 @@ def test_errors_name_the_fix(tmp_path, package):
         KernelPackage(src_only)
     with pytest.raises(PackageError, match="not in"):
         KernelPackage(package).function("no_such_kernel")
+
+
+def test_point_is_rebuilt_from_the_manifest_and_must_match(package, tmp_path):
+    import shutil
+
+    pkg = KernelPackage(package)
+    for name in pkg.kernels:
+        assert pkg.point(name).name == name
+    other = tmp_path / "other"
+    shutil.copytree(package, other)
+    m = json.loads((other / "manifest.json").read_text())
+    name = next(iter(m["kernels"]))
+    m["kernels"][name]["parameters"]["eps"] = 1e-3  # as if built from other sources than this checkout's
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PackageError, match="rebuild the package"):
+        KernelPackage(other).point(name)

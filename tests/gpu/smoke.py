@@ -19,7 +19,6 @@ import tvm_ffi  # noqa: E402
 
 print(f"tvm_ffi {tvm_ffi.__version__} imported in {time.time() - t0:.1f}s", flush=True)
 from k3compile import kernel_check as kc  # noqa: E402
-from k3compile.bench_kernels import _point  # noqa: E402
 from k3compile.package import KernelPackage  # noqa: E402
 
 pkg = KernelPackage(sys.argv[1])
@@ -31,7 +30,7 @@ for name, k in sorted(pkg.kernels.items(), key=lambda kv: kv[1].get("example", "
     done.add(t)
     faulthandler.dump_traceback_later(30, exit=True)
     t1 = time.time()
-    point = _point(name, k)
+    point = pkg.point(name)
     fn = pkg.function(name)
     res = kc.check(point, fn, seed=1)
     print(f"{'ok  ' if res['ok'] else 'FAIL'} {k['example']:<32} {time.time() - t1:5.1f}s {res['errors']} "

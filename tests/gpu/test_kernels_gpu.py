@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from k3compile import kernel_check as kc
-from k3compile.bench_kernels import _point
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -29,7 +28,7 @@ KERNELS = _kernels()
 
 @pytest.mark.parametrize("name", sorted(KERNELS, key=KERNELS.get), ids=lambda n: KERNELS[n] or n)
 def test_kernel_matches_float64_reference(kernel_package, name):
-    point = _point(name, kernel_package.kernels[name])
+    point = kernel_package.point(name)
     fn = kernel_package.function(name)
     big = kc.input_bytes(point) > 2**28  # real-shape expert pools and caches: inputs and references are slow
     for _ in range(1 if big else 3):
@@ -42,7 +41,7 @@ REPLAY = sorted(n for n, ex in KERNELS.items() if ex.endswith(":mini_b8")) or so
 
 @pytest.mark.parametrize("name", REPLAY, ids=lambda n: KERNELS[n] or n)
 def test_graph_replay_sees_new_inputs(kernel_package, name):
-    point = _point(name, kernel_package.kernels[name])
+    point = kernel_package.point(name)
     fn = kernel_package.function(name)
     args = point.args()
     d = kc.device_args(point, point.template.random_inputs(point.c, torch.Generator().manual_seed(1)))
