@@ -67,12 +67,10 @@ def cmd_codegen(args) -> int:
 
     from k3compile.models import get_config
 
-    from .codegen import plan_points, summary, write
+    from .codegen import example_points, plan_points, summary, write
     from .compiler import check_buckets, check_tp
 
     if args.examples is not None:
-        from .codegen import example_points
-
         labels = [x for x in args.examples.split(",") if x] or None
         cg = example_points(args.templates.split(",") if args.templates else None, labels, arch=args.arch)
     else:
@@ -163,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from .build import BuildError
+    from .package import PackageError
+
     try:
         return args.func(args)
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # bad input: one clear line, no traceback
+    except (ValueError, KeyError, TypeError, BuildError, PackageError) as e:  # one clear line, no traceback
         print(f"k3compile {args.command}: error: {e}", file=sys.stderr)
         return 2
 
