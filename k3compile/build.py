@@ -133,10 +133,7 @@ def _compile_in_worker(job: Job, out_dir: str) -> dict:
             finally:
                 for f in out.glob("cutlass_*"):
                     f.unlink()
-        except BaseException as e:  # reported with the log, in the parent
-            sys.stdout.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
+        except Exception as e:  # reported with the log, in the parent (the finally below restores stdout)
             import traceback
 
             raise BuildError(f"compiling {job.name} failed: {type(e).__name__}: {e}\n"
