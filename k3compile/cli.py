@@ -97,6 +97,12 @@ def cmd_bench_kernels(args) -> int:
     return run(args.package, out_json=args.json, seeds=args.seeds, only=args.only, timing=not args.check_only)
 
 
+def cmd_bench(args) -> int:
+    from .bench import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="k3compile",
@@ -152,6 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--only", help="only kernels whose example label or name contains this")
     bk.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     bk.set_defaults(func=cmd_bench_kernels)
+    be = sub.add_parser("bench", help="time the whole decode step: eager vs Inductor vs k3compile (GPU)",
+                        description="One process, one GPU, the same model, state and tokens for every system: "
+                                    "µs per step, kernel launches, the HBM floor (plan bytes / copy bandwidth "
+                                    "measured in the same run), extra GPU memory; per layer type by differencing "
+                                    "depths (--layers). TP > 1: rank 0's shard, collectives as no-ops (per-rank "
+                                    "compute, communication excluded). Prints a table, writes JSON.")
+    be.add_argument("--config", default="k3_mini", choices=("k3_mini", "slice"),
+                    help="k3_mini, or slice: real K3 dimensions, the first --layers layers")
+    be.add_argument("--layers", type=_int_list, default=None,
+                    help="depths to run (e.g. 1,2,4: layer n's time = T(n) - T(n-1))")
+    be.add_argument("--tp", type=int, default=1, help="TP size emulated on this GPU (rank 0's shard)")
+    be.add_argument("--buckets", type=_int_list, default=(1, 8, 64), help="batch sizes (= buckets)")
+    be.add_argument("--context", type=_int_list, default=(1024,), help="tokens already in each sequence")
+    be.add_argument("--package", help="kernel package for the model (codegen --package with --max-context)")
+    be.add_argument("--systems", type=lambda s: s.split(","), default=["eager", "inductor", "k3compile"],
+                    help="comma-separated: eager, inductor, k3compile")
+    be.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
+    be.add_argument("--json", default="bench.json", help="where to write the results")
+    be.set_defaults(func=cmd_bench)
     return p
 
 

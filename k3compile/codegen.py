@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from . import dialect
 from .audit import audit_point
 from .graph_text import node_value
@@ -51,8 +53,9 @@ class Entry:
 
 
 # -------------------------------------------------------------------------------------------- lowering
-def _shape(n) -> tuple[int, ...]:
-    return tuple(int(d) for d in node_value(n).shape)
+def _shape(n) -> tuple:
+    """Static dims as ints; the symbolic batch dim stays a SymInt (converting it would specialise it)."""
+    return tuple(d if isinstance(d, torch.SymInt) else int(d) for d in node_value(n).shape)
 
 
 def _arg(node, name: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Sequence
 
 import torch
@@ -36,6 +37,14 @@ class Options:
     passes: dict = dataclasses.field(default_factory=dict)  # per-pass config overrides
     eager_fallback: bool = False  # batch above the largest bucket: run eager (logged) instead of raising
     arch: str | None = None
+    # Where the kernels come from: None (CUDA: $K3_KERNEL_PACKAGE if set, else "jit"; CPU: "eager"),
+    # "package:DIR", "jit" (CuTe DSL compiler, disk-cached), "reference" (float64 template references:
+    # checks the runtime's bindings on any device) or "eager" (the dialect's eager implementations).
+    kernels: str | None = None
+    cuda_graphs: bool = True  # one CUDA graph per bucket (CUDA only)
+    check_inputs: bool = True  # validate token ids and lengths before each step (synchronises)
+    disable_kernels: tuple = ()  # dialect ops / kernel names forced onto their eager op (coverage tests)
+    shadow: bool = False  # also run every dialect op eagerly on the same inputs: runtime.shadow_errors()
 
     @classmethod
     def make(cls, options: "Options | dict | None" = None, **kw) -> "Options":
@@ -52,6 +61,12 @@ class Options:
             base["buckets"] = check_buckets(base["buckets"])
         if base.get("arch") not in (None, *SUPPORTED_ARCHS):
             raise ValueError(f"unsupported arch {base['arch']!r}; k3compile targets {list(SUPPORTED_ARCHS)}")
+        k = base.get("kernels")
+        if k is not None and k not in ("jit", "reference", "eager") and not str(k).startswith("package:"):
+            raise ValueError(f"kernels={k!r}: pass 'package:DIR' (a prebuilt package), 'jit', 'reference' or "
+                             f"'eager'")
+        if "disable_kernels" in base:
+            base["disable_kernels"] = tuple(base["disable_kernels"])
         return cls(**base)
 
 
@@ -154,11 +169,53 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp
         buckets = (b,)
     graphs = {b: lower(gm, inputs, tp_size=tp_size, bucket=b, options=options, batch_symbol=sym, tp_rank=tp_rank)
               for b in buckets}
-    # One line per compile. Kernels and the GPU runtime come with the templates; until then every lowered
-    # graph runs through the dialect's eager implementations, and the user is told so.
-    why = "no CUDA device" if not torch.cuda.is_available() else "the GPU kernel runtime is not built yet"
-    log.warning("k3compile: %s; running the lowered graph through the K3 dialect's eager implementations", why)
-    return BucketDispatcher(graphs, token_index, options, fallback=gm.forward)
+    kernels = options.kernels
+    if kernels is None:
+        if tok.device.type == "cuda":
+            pkg = os.environ.get("K3_KERNEL_PACKAGE")
+            kernels = f"package:{pkg}" if pkg else "jit"
+        else:
+            kernels = "eager"
+    if kernels == "eager":
+        log.warning("k3compile: %s; running the lowered graph through the K3 dialect's eager implementations",
+                    "no CUDA device" if tok.device.type != "cuda" else "kernels='eager' was asked for")
+        return BucketDispatcher(graphs, token_index, options, fallback=gm.forward)
+    return _kernel_dispatcher(graphs, inputs, kernels, tok.device, tp_size, options, gm.forward)
+
+
+def _kernel_dispatcher(graphs, inputs, kernels: str, device, tp_size: int, options: Options, fallback):
+    from . import runtime
+
+    if tp_size > 1:
+        log.warning("k3compile: TP %d on one device: collectives are the identity (per-rank compute, "
+                    "communication excluded)", tp_size)
+    arch = options.arch or "sm_90a"
+    if kernels == "reference":
+        source = runtime.ReferenceKernels()
+    else:
+        if device.type != "cuda":
+            raise RuntimeError(f"kernels={kernels!r} needs a CUDA device, but the model is on {device}. Fix: move "
+                               f"the model to CUDA (load_pretrained(..., device='cuda')), or use kernels='eager' "
+                               f"or 'reference' on the CPU")
+        if options.arch is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            arch = f"sm_{major}{minor}a"
+            if arch not in SUPPORTED_ARCHS:
+                raise RuntimeError(f"the GPU is {arch}; k3compile's kernels target {list(SUPPORTED_ARCHS)}")
+        if kernels == "jit":
+            points = {}
+            for b, g in graphs.items():
+                points.update(runtime.graph_points(g, bucket=b, tp=tp_size, arch=arch))
+            from .build import cache_root
+
+            source = runtime.jit_package(points, cache_root().parent / "jit" / arch)
+        else:
+            source = runtime.PackageKernels(kernels.removeprefix("package:"))
+    d = runtime.KernelDispatcher(graphs, inputs, tp=tp_size, source=source, arch=arch, device=device,
+                                 options=options, fallback=fallback)
+    log.warning("k3compile: kernel runtime on %s: %s, buckets %s%s", device, source.describe(), list(d.buckets),
+                ", CUDA graphs" if d.use_graphs else "")
+    return d
 
 
 def _infer_tp(gm: torch.fx.GraphModule) -> int:

@@ -6,21 +6,12 @@
 #           python -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl apache-tvm-ffi
 #   there:  bash tests/gpu/run.sh .gpu/pkg
 #
-# Installs tvm-ffi from .whl/, k3compile itself without dependencies, restores the package's runtime library
-# if it travelled gzipped (.gpu/libcute_dsl_runtime.so.gz), then runs the GPU tests (`pytest -m gpu`, with
+# Sets up (tests/gpu/setup.sh), then runs the kernel GPU tests (`pytest -m gpu`, with
 # timeouts) and `k3compile bench-kernels`; logs and JSON go to $OUT (default /tmp/k3gpu).
 set -uo pipefail
 PKG=${1:-.gpu/pkg}
-OUT=${OUT:-/tmp/k3gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q -e . --no-deps --no-build-isolation >/dev/null 2>&1 || { echo "installing k3compile failed"; exit 1; }
-if [ ! -f "$PKG/runtime/libcute_dsl_runtime.so" ]; then
-    mkdir -p "$PKG/runtime" && gunzip -c .gpu/libcute_dsl_runtime.so.gz > "$PKG/runtime/libcute_dsl_runtime.so" || exit 1
-fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-export K3_KERNEL_PACKAGE="$PKG" PYTHONUNBUFFERED=1
+source tests/gpu/setup.sh "$PKG"
+export K3_KERNEL_PACKAGE="$PKG"
 status=0
 timeout 120 python3 tests/gpu/smoke.py "$PKG" 2>&1 | tee "$OUT/smoke.log" || { echo "smoke failed: stopping"; exit 1; }
 for t in ${TEMPLATES:-rms_norm residual_attn_res gemv moe kda mla}; do  # one process each: a hang costs one

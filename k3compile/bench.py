@@ -1,0 +1,227 @@
+"""``k3compile bench``: the whole decode step, eager vs Inductor vs k3compile, in one process on one GPU.
+
+For every (context, bucket) the same model, state and tokens run through each system; each figure is the
+mean over ``--steps`` consecutive decode steps (the state advances, as in serving) between CUDA events,
+after warm-up. Beside it: the HBM floor of the step (bytes the plan says must move -- weights, the
+experts the batch selects, the state read and written -- over the copy bandwidth measured in the same
+run), kernel launches per step (counted by the profiler), and GPU memory beyond weights and state.
+
+Per layer type: the step time of a model with the first ``n`` layers minus that with ``n - 1`` layers is
+the n-th layer's time (``--layers 1,2,4`` on a slice: layer 2 is KDA + MoE, layer 4 gated MLA + MoE).
+
+A TP size above 1 runs rank 0's shard on this one GPU with the collectives as no-ops (a fake process
+group): per-rank compute, communication excluded -- said so in the table and the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from .kernel_check import measure_copy_bandwidth
+
+SYSTEMS = ("eager", "inductor", "k3compile")
+
+
+@dataclasses.dataclass
+class Row:
+    config: str
+    layers: int
+    tp: int
+    context: int
+    bucket: int
+    system: str
+    us_per_step: float = float("nan")
+    launches: int = -1
+    floor_us: float = float("nan")
+    extra_mem_mb: float = float("nan")
+    note: str = ""
+
+    @property
+    def x_floor(self) -> float:
+        return self.us_per_step / self.floor_us
+
+
+def _fake_tp(tp: int) -> None:
+    import torch.distributed as dist
+
+    if tp == 1 or dist.is_initialized():
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+
+
+def build_model(config, tp: int, device: str = "cuda", seed: int = 0):
+    from .models.random_init import random_model
+
+    _fake_tp(tp)
+    return random_model(config, tp_rank=0, tp_size=tp, device=device, seed=seed)
+
+
+def floor_bytes(config, tp: int, bucket: int, context: int) -> int:
+    from .plan import plans_for
+
+    plan = plans_for(config, tp=tp, buckets=(bucket,), context=context, every_layer=True,
+                     max_context=max(16, context))[bucket]
+    return sum(lp.bytes(bucket) for lp in plan.layers)
+
+
+def _time_steps(fn, steps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(steps):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / steps
+
+
+def _count_kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "Memcpy" not in e.name and "Memset" not in e.name)
+
+
+def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[int], contexts: list[int],
+        package: str | None, systems: tuple = SYSTEMS, steps: int = 20, log=print) -> dict:
+    from .models import k3_mini, k3_slice
+
+    if not torch.cuda.is_available():
+        raise SystemExit("k3compile bench needs a CUDA GPU (it times kernels); run it on the GPU host")
+    bw = measure_copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows: list[Row] = []
+    for n in layers or [None]:
+        if config_name == "k3_mini":
+            config = k3_mini() if n is None else _prefix(k3_mini(), n)
+        elif config_name == "slice":
+            config = k3_slice(n or 4)
+        else:
+            raise SystemExit(f"--config {config_name}: bench runs k3_mini or slice (real dimensions)")
+        model = build_model(config, tp)
+        nl = config.num_hidden_layers
+        base_mem = torch.cuda.memory_allocated()
+        for ctx in contexts:
+            if ctx + steps + 8 > config.max_position_embeddings:
+                raise SystemExit(f"--context {ctx} leaves no room for {steps} steps below {config.name}'s "
+                                 f"max_position_embeddings {config.max_position_embeddings}")
+            for b in buckets:
+                floor = floor_bytes(config, tp, b, ctx) / bw * 1e6
+                cap = _package_context(package) if package else ctx + steps + 16
+                state = model.new_state(b, cap)
+                ids = torch.randint(0, config.vocab_size // tp, (b,), device="cuda")
+                mem0 = torch.cuda.memory_allocated()
+                for system in systems:
+                    row = Row(config.name, nl, tp, ctx, b, system, floor_us=floor)
+                    state.lengths.fill_(ctx)
+                    try:
+                        fn = _system(system, model, state, ids, b, package)
+                        row.us_per_step = _time_steps(fn, steps)
+                        row.launches = _count_kernels(fn)
+                        row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
+                    except Exception as e:  # a baseline that cannot run is reported, not hidden
+                        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    if tp > 1:
+                        row.note = (row.note + "; " if row.note else "") + "per-rank compute, communication excluded"
+                    rows.append(row)
+                    log(_fmt(row))
+                del state
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+        _ = base_mem
+    return {"bandwidth": bw, "rows": [dataclasses.asdict(r) | {"x_floor": r.x_floor} for r in rows],
+            "per_layer": per_layer(rows), "gpu": torch.cuda.get_device_name(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}
+
+
+def _prefix(config, n: int):
+    from .plan import representative  # noqa: F401  (same rule: a prefix keeps the layer lists consistent)
+    import dataclasses as dc
+
+    full = tuple(x for x in config.full_attn_layers if x <= n)
+    kda = tuple(x for x in config.kda_layers if x <= n)
+    return dc.replace(config, num_hidden_layers=n, full_attn_layers=full, kda_layers=kda).validate()
+
+
+def _package_context(package: str) -> int:
+    with open(f"{package}/manifest.json") as fh:
+        return json.load(fh)["max_context"]
+
+
+def _system(system: str, model, state, ids, bucket: int, package: str | None):
+    import k3compile
+
+    if system == "eager":
+        return lambda: model.decode(ids, state)
+    if system == "inductor":
+        torch._dynamo.reset()
+        f = torch.compile(model.decode, dynamic=False)
+        return lambda: f(ids, state)
+    if system == "k3compile":
+        if not package:
+            raise RuntimeError("no --package: k3compile's kernels come from a prebuilt package on the GPU host")
+        step = k3compile.compile(model, buckets=(bucket,), options={"kernels": f"package:{package}",
+                                                                   "check_inputs": False})
+        return lambda: step(ids, state)
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def per_layer(rows: list[Row]) -> list[dict]:
+    """n-th layer time = T(first n layers) - T(first n-1 layers), same system, bucket, context."""
+    by = {(r.layers, r.context, r.bucket, r.system): r for r in rows}
+    out = []
+    for (n, ctx, b, s), r in sorted(by.items()):
+        prev = by.get((n - 1, ctx, b, s))
+        if prev is None:
+            continue
+        out.append({"layer": n, "context": ctx, "bucket": b, "system": s,
+                    "us": r.us_per_step - prev.us_per_step, "floor_us": r.floor_us - prev.floor_us,
+                    "launches": r.launches - prev.launches})
+    return out
+
+
+def _fmt(r: Row) -> str:
+    return (f"{r.config:<10} L{r.layers:<3} tp{r.tp} ctx {r.context:>6} b{r.bucket:<3} {r.system:<10} "
+            f"{r.us_per_step:>10.1f} us  floor {r.floor_us:>8.1f} us  x{r.x_floor:>6.2f}  launches {r.launches:>5}  "
+            f"+mem {r.extra_mem_mb:>8.1f} MB  {r.note}")
+
+
+def table(result: dict) -> str:
+    lines = [f"{'config':<10} {'L':<4} tp ctx        bucket system        us/step       floor      x floor  "
+             f"launches  extra memory"]
+    for r in result["rows"]:
+        lines.append(_fmt(Row(**{k: v for k, v in r.items() if k != "x_floor"})))
+    if result["per_layer"]:
+        lines.append("\nper layer (T(n layers) - T(n-1 layers)):")
+        for p in result["per_layer"]:
+            lines.append(f"  layer {p['layer']} ctx {p['context']} b{p['bucket']} {p['system']:<10} {p['us']:8.1f} us "
+                         f"floor {p['floor_us']:7.1f} us  x{p['us'] / p['floor_us']:5.2f}  launches {p['launches']}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    res = run(args.config, layers=args.layers, tp=args.tp, buckets=args.buckets, contexts=args.context,
+              package=args.package, systems=tuple(args.systems), steps=args.steps,
+              log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(table(res))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+    _ = statistics
+    return 0

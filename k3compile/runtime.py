@@ -1,0 +1,653 @@
+"""The kernel runtime: runs a lowered decode graph through the generated kernels.
+
+Per (bucket, TP) the pipeline's lowered FX graph holds K3 dialect ops (``k3::front_gemm``, ...) and a
+little torch glue (embedding lookup, ``torch.stack`` of the AttnRes blocks, the MLA cache write). The
+runtime rewrites every dialect node into a :class:`Binding` that calls the kernels codegen maps that
+node to (``codegen._LOWERING``: the same mapping, so the package built offline is exactly what runs)::
+
+    before: front_gemm_0 = k3.front_gemm(x, [Wq, Wk, Wv, ...], fp32, gather, '', 1, 0)
+    after:  front_gemm_0 = Binding[front_gemm -> gemv_1a2b3c4d5e](x, [Wq, Wk, Wv, ...], ...)
+                           # one GEMV over the weights concatenated at first use, outputs split
+
+Kernels come from a :class:`KernelSource`:
+
+* :class:`PackageKernels`: a prebuilt package (``k3compile codegen --package``, loaded with ``tvm_ffi``)
+  or one compiled just in time into the build cache (:func:`jit_package`, needs the CuTe DSL);
+* :class:`ReferenceKernels`: each kernel's float64 template reference, on any device. CI runs the whole
+  decode step this way on the CPU: it checks every binding (argument order, weight concatenation, output
+  splits, in-place state) against eager without a GPU; the GPU tests check the kernels themselves.
+
+On CUDA each bucket's graph is captured once into a CUDA graph (first call: a real step that also warms
+up; later calls: replay) over static token buffers; the state and weights are used in place, so a
+replay reads the current state (never stale pointers or values). Batches below the bucket are padded;
+the padding rows' state is saved and restored around the step (rows ``B..bucket-1`` of the state are
+left exactly as eager leaves them), so the state needs at least ``bucket`` rows.
+
+Every kernel launch is counted (:func:`launch_counts`; a graph replay counts the launches it holds),
+and so is every dialect op that ran through its eager implementation instead (:func:`eager_fallbacks`).
+``k3compile verify`` and the GPU tests prove with these counters that the fast path ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx
+
+from . import dialect
+
+log = logging.getLogger("k3compile")
+
+_LAUNCHES: collections.Counter = collections.Counter()  # kernel name -> launches
+_FALLBACKS: collections.Counter = collections.Counter()  # dialect op -> eager runs (fallbacks)
+
+
+def launch_counts() -> dict[str, int]:
+    """Kernel name -> launches since the last :func:`reset_launch_counts` (graph replays included)."""
+    return dict(_LAUNCHES)
+
+
+def eager_fallbacks() -> dict[str, int]:
+    """Dialect op name -> times it ran through its eager implementation instead of kernels."""
+    return dict(_FALLBACKS)
+
+
+def reset_launch_counts() -> None:
+    _LAUNCHES.clear()
+    _FALLBACKS.clear()
+    _SHADOW.clear()
+
+
+class RuntimeError_(RuntimeError):
+    """The kernel runtime cannot run this graph as asked (missing kernel, bad state, ...)."""
+
+
+# ------------------------------------------------------------------------------------------ kernel sources
+class KernelSource:
+    name = "?"
+
+    def function(self, point) -> Callable:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+class ReferenceKernels(KernelSource):
+    """Each kernel's float64 template reference (slow; any device). Checks the bindings, not the kernels."""
+    name = "reference"
+
+    def function(self, point):
+        args = point.args()
+
+        def run(*tensors):
+            d = {a.name: t for a, t in zip(args, tensors)}
+            inputs = {a.name: d[a.name].detach().cpu().clone() for a in args if a.role != "out"}
+            for name, value in point.template.reference(point.c, inputs).items():
+                d[name].copy_(value.to(d[name].dtype))
+        return run
+
+
+class PackageKernels(KernelSource):
+    """Kernels of a prebuilt package (``tvm_ffi``, no compiler needed)."""
+    name = "package"
+
+    def __init__(self, package):
+        from .package import KernelPackage
+
+        self.package = package if isinstance(package, KernelPackage) else KernelPackage(package)
+
+    def function(self, point):
+        if point.name not in self.package.kernels:
+            raise RuntimeError_(
+                f"kernel {point.name} ({point.template.name}, bucket {point.c.get('M')}) is not in the package "
+                f"{self.package.root}: it was built for other buckets, TP sizes, context capacity or template "
+                f"sources. Fix: rebuild it with `k3compile codegen --config ... --tp ... --buckets ... "
+                f"--max-context <state max_context> --package -o {self.package.root}` from this checkout, or "
+                f"compile with kernels='jit'")
+        return self.package.function(point.name)
+
+    def describe(self) -> str:
+        return f"package {self.package.root}"
+
+
+def jit_package(points: dict, out: Path, *, workers: int | None = None):
+    """Compile ``points`` (kernel name -> Point) into a package at ``out`` (disk-cached: a second run is a
+    lookup). Needs the CuTe DSL compiler (``nvidia-cutlass-dsl``)."""
+    from . import codegen
+
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        raise RuntimeError_("kernels='jit' needs the CuTe DSL compiler: pip install 'nvidia-cutlass-dsl[cu13]"
+                            "==4.8.1', or pass a prebuilt package (kernels='package:DIR')") from None
+    cg = codegen.Codegen("jit", next(iter(points.values())).arch, (), ())
+    for name, p in points.items():
+        cg.points[name] = p
+        cg.params[name] = {c.name: c.value for c in p.constants}
+    codegen.write(cg, Path(out), package=True, workers=workers, quiet=True)
+    return PackageKernels(Path(out))
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+class Kernel:
+    """One compiled template point: allocates its outputs, fits its inputs, counts its launches."""
+
+    def __init__(self, point, fn: Callable, device):
+        self.point, self.fn, self.name = point, fn, point.name
+        self.args = point.args()
+        self.device = device
+
+    def __call__(self, **given) -> dict[str, torch.Tensor]:
+        tensors, outs = [], {}
+        for a in self.args:
+            if a.role in ("out", "scratch"):
+                t = torch.empty(a.shape, dtype=a.torch_dtype, device=self.device)
+                if a.role == "scratch":
+                    t.zero_()
+                outs[a.name] = t
+            else:
+                t = _fit(self.name, a, given[a.name])
+            tensors.append(t)
+        _LAUNCHES[self.name] += 1
+        _RECORDING.append(self.name) if _RECORDING is not None else None
+        self.fn(*tensors)
+        return outs
+
+
+def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
+    """The tensor as the kernel takes it: static shape and dtype, compact row-major, aligned base."""
+    if tuple(t.shape) != tuple(a.shape) or t.dtype != a.torch_dtype:
+        raise RuntimeError_(f"{kernel}: argument {a.name} is {t.dtype}{list(t.shape)}, the kernel takes "
+                            f"{a.torch_dtype}{list(a.shape)} (a binding bug: please report it)")
+    if t.is_contiguous() and t.data_ptr() % a.align == 0:
+        return t
+    if a.role == "state":  # written in place: a copy would lose the update
+        raise RuntimeError_(f"{kernel}: state argument {a.name} is not a compact, {a.align}-byte aligned view of "
+                            f"the decode state; allocate the state with model.new_state(...)")
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+_RECORDING: list | None = None  # kernel names launched while a CUDA graph is being captured
+
+
+# --------------------------------------------------------------------------------------------- bindings
+def _named(op, args, kwargs) -> dict:
+    names = [a.name for a in op._schema.arguments]
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
+def _emulated_gather(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Single-GPU TP emulation: every rank's shard is taken to equal this rank's (communication excluded)."""
+    return x.repeat(1, tp) if tp > 1 else x
+
+
+class Binding:
+    """A dialect node's kernels, called like the dialect op (same arguments, same outputs)."""
+
+    def __init__(self, node, kernels: list[Kernel], tp: int, note: str, bucket: int):
+        self.op = dialect.op_name(node)
+        self.key = f"b{bucket}:{node.name}"
+        self.target = node.target
+        self.node = node.name
+        self.kernels = kernels
+        self.tp = tp
+        self.note = note
+        self._weights: dict = {}  # front_gemm: concatenated weights, keyed by the source tensors
+        self.shadow = False  # also run the eager op and record the error (KernelDispatcher(shadow=True))
+        self.__name__ = f"k3_{self.op}"
+
+    def __repr__(self) -> str:
+        return f"Binding[{self.op} -> {', '.join(k.name for k in self.kernels)}]"
+
+    def __call__(self, *args, **kwargs):
+        a = _named(self.target, args, kwargs)
+        if not self.shadow:
+            return getattr(self, "_" + self.op)(a, *self.kernels)
+        ref = self.target(*args, **kwargs)  # functional: reads the state before the kernels update it
+        out = getattr(self, "_" + self.op)(a, *self.kernels)
+        errs = [_rel(o, r) for o, r in zip(_as_list(out), _as_list(ref))]
+        _SHADOW[self.key] = max([_SHADOW.get(self.key, 0.0), *errs])
+        return out
+
+    # -- GEMV family --------------------------------------------------------------------------------
+    def _linear(self, a, g):
+        return _single(g(w=a["weight"], x=a["x"]))
+
+    def _linear_gather(self, a, g):
+        w = a["weight"]
+        n = w.shape[0] // self.tp
+        y = _single(g(w=w[a["rank"] * n:(a["rank"] + 1) * n], x=a["x"]))
+        return _emulated_gather(y, self.tp)
+
+    def _front_gemm(self, a, g):
+        ws, fp32, gather, rank = a["weights"], a["fp32"], a["gather"], a["rank"]
+        rows = [w.shape[0] // self.tp if gth and self.tp > 1 else w.shape[0] for w, gth in zip(ws, gather)]
+        order = [i for i in range(len(ws)) if fp32[i]] + [i for i in range(len(ws)) if not fp32[i]]
+        key = tuple((w.data_ptr(), w._version) for w in ws)
+        cat = self._weights.get(key)
+        if cat is None:  # weights are static: concatenated once (fp32 entries first), kept for the graph
+            parts = [ws[i][rank * rows[i]:(rank + 1) * rows[i]] if rows[i] != ws[i].shape[0] else ws[i]
+                     for i in order]
+            cat = self._weights[key] = torch.cat(parts, 0).contiguous()
+        out = g(w=cat, x=a["x"])
+        res: list = [None] * len(ws)
+        off = {True: 0, False: 0}
+        for i in order:
+            src = out["y_f32"] if fp32[i] else out["y_bf16"]
+            y = src.narrow(1, off[fp32[i]], rows[i])
+            off[fp32[i]] += rows[i]
+            res[i] = _emulated_gather(y, self.tp) if gather[i] and self.tp > 1 else y
+        return res
+
+    def _rms_norm_linear(self, a, g):
+        return _single(g(w=a["weight"], x=a["x"], norm_weight=a["norm_weight"]))
+
+    def _lm_head(self, a, g):
+        return g(w=a["weight"], x=a["h"], norm_weight=a["norm_weight"])["y_f32"]
+
+    def _situ_linear(self, a, g):
+        return _single(g(w=a["weight"], gate=a["gate"], up=a["up"]))
+
+    # -- norms and residuals -----------------------------------------------------------------------
+    def _rms_norm(self, a, k):
+        return k(x=a["x"], weight=a["weight"])["y"]
+
+    @staticmethod
+    def _blocks(a) -> dict:
+        """AttnRes inputs; the projection is a [1, D] linear weight in the model, a [D] vector in the kernel."""
+        return dict(blocks=a["blocks"], norm_weight=a["norm_weight"], proj_weight=a["proj_weight"].reshape(-1))
+
+    def _attn_res(self, a, k):
+        return k(prefix=a["prefix"], **self._blocks(a))["y"]
+
+    def _attn_res_rms_norm(self, a, k):
+        return k(prefix=a["prefix"], out_norm_weight=a["out_norm_weight"], **self._blocks(a))["y"]
+
+    def _residual(self, k, a, new, prefix):
+        blocks = self._blocks(a) if k.point.c["NB"] else {}
+        o = k(a=new, prefix=prefix, out_norm_weight=a.get("out_norm_weight"), **blocks)
+        return o["y"], o["new_prefix"]
+
+    def _oproj_residual_norm(self, a, g, res):
+        y = _single(g(w=a["weight"], x=a["y"]))  # all-reduce: identity at TP 1 / in single-GPU emulation
+        return self._residual(res, a, y, a["prefix"])
+
+    def _ffn_sum(self, a, kernels):
+        """The FFN output s (the kernels before the final residual)."""
+        if a["latent_partial"] is None:
+            return a["partial"]
+        up, add = kernels
+        r = _single(up(w=a["up_weight"], x=a["latent_partial"], norm_weight=a["latent_norm_weight"]))
+        return add(a=a["partial"], prefix=r)["new_prefix"]  # r + partial, as eager adds them
+
+    def _ffn_tail_norm(self, a, *ks):
+        return self._residual(ks[-1], a, self._ffn_sum(a, ks[:-1]), a["prefix"])
+
+    def _ffn_tail(self, a, *ks):
+        return ks[-1](a=self._ffn_sum(a, ks[:-1]), prefix=a["prefix"])["new_prefix"]
+
+    # -- experts and attention ---------------------------------------------------------------------
+    def _routed_experts(self, a, gate_up, down):
+        w = {n: a[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale")}
+        h = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
+        return down(h=h["h"], ids=h["ids"], weights=h["weights"], w2_packed=a["w2_packed"],
+                    w2_scale=a["w2_scale"])["y"]
+
+    def _kda_decode_fb(self, a, k):
+        names = ("q", "k", "v", "f_a", "f_b_weight", "beta_logits", "g", "conv_q", "conv_k", "conv_v",
+                 "recurrent_state", "q_conv_weight", "k_conv_weight", "v_conv_weight", "a_log", "dt_bias",
+                 "o_norm_weight")
+        y = k(**{n: a[n] for n in names})["y"]  # conv and recurrent state updated in place
+        return y, a["conv_q"], a["conv_k"], a["conv_v"], a["recurrent_state"]
+
+    def _mla_decode_latent(self, a, k):
+        o = k(q=a["q"], kv=a["kv"], kv_norm_weight=a["kv_norm_weight"], gate=a["gate"], cache=a["cache"],
+              lengths=a["lengths"], kv_b_weight=a["kv_b_weight"])
+        return o["out"], o["latent"]
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _rel(o: torch.Tensor, r: torch.Tensor) -> float:
+    r64, o64 = r.double(), o.double()
+    return float((o64 - r64).norm() / r64.norm().clamp_min(1e-30))
+
+
+_SHADOW: dict = {}  # node -> max relative error of its kernels against its eager op (shadow mode)
+
+
+def shadow_errors() -> dict[str, float]:
+    """``b<bucket>:<node>`` -> max ||kernels - eager op|| / ||eager op|| over the steps run with ``shadow=True``."""
+    return dict(_SHADOW)
+
+
+def _single(out: dict) -> torch.Tensor:
+    return out.get("y_bf16", out.get("y_f32"))
+
+
+class EagerOp:
+    """A dialect op run through its eager implementation (a fallback: counted, and verification fails)."""
+
+    def __init__(self, node, why: str, planned: tuple = ()):
+        self.op, self.target, self.node, self.why = dialect.op_name(node), node.target, node.name, why
+        self.planned = tuple(planned)  # kernel names that should have run instead
+        self.__name__ = f"eager_{self.op}"
+
+    def __repr__(self) -> str:
+        return f"EagerOp[{self.op}: {self.why}]"
+
+    def __call__(self, *args, **kwargs):
+        _FALLBACKS[self.op] += 1
+        if _RECORDING is not None:
+            _RECORDING.append("eager:" + self.op)
+        return self.target(*args, **kwargs)
+
+
+def _is_check(node) -> bool:
+    return node.op == "call_function" and node.target in (torch.ops.k3model.check_decode_inputs,
+                                                          torch.ops.k3model.check_decode_inputs.default)
+
+
+def _positions(token_ids, lengths, vocab_size, max_context):
+    """check_decode_inputs inside the graph: the check itself runs before the step (it synchronises)."""
+    return lengths.clone()
+
+
+# ------------------------------------------------------------------------------------------ graph rewrite
+@dataclass
+class BoundGraph:
+    gm: torch.fx.GraphModule
+    bucket: int
+    bindings: list  # Binding | EagerOp, in graph order
+    kernels: dict  # kernel name -> Kernel
+
+    def planned(self) -> collections.Counter:
+        """Kernel name -> launches one step of this graph makes."""
+        c: collections.Counter = collections.Counter()
+        for b in self.bindings:
+            c.update(k.name for k in b.kernels) if isinstance(b, Binding) else c.update(b.planned)
+        return c
+
+    def table(self) -> str:
+        return "\n".join(f"{b.node:<34} {b!r}" for b in self.bindings)
+
+
+def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource, arch: str, device,
+         disable: tuple = (), allow_eager: tuple = ("tp_all_reduce", "tp_all_gather")) -> BoundGraph:
+    """Rewrite a lowered graph so that every dialect node calls its kernels.
+
+    ``disable``: dialect ops or kernel names forced to run eagerly (tests of the coverage proof).
+    ``allow_eager``: ops without a template that may run eagerly (collectives; counted as fallbacks)."""
+    from .codegen import _LOWERING
+
+    gm = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+    kernels: dict[str, Kernel] = {}
+    bindings: list = []
+    for node in list(gm.graph.nodes):
+        if _is_check(node):
+            node.target = _positions
+            continue
+        if node.op != "call_function" or not dialect.is_k3(node):
+            continue
+        op = dialect.op_name(node)
+        why = ""
+        if op == "prefetch":
+            node.target = _noop
+            continue
+        if op not in _LOWERING:
+            why = f"no kernel template for {op}"
+            if op not in allow_eager:
+                raise RuntimeError_(f"{node.name}: {why}; the runtime cannot run this graph on kernels")
+        if not why:
+            points, note = node_points(node, bucket=bucket, tp=tp, arch=arch)
+            if op in disable or any(p.name in disable for p in points):
+                why = "disabled by the caller"
+        if why:
+            b = EagerOp(node, why, [p.name for p in points] if op in _LOWERING else ())
+        else:
+            ks = []
+            for p in points:
+                if p.name not in kernels:
+                    kernels[p.name] = Kernel(p, source.function(p), device)
+                ks.append(kernels[p.name])
+            b = Binding(node, ks, tp, note, bucket)
+        node.target = b
+        bindings.append(b)
+    _drop_self_copies(gm.graph)
+    gm.recompile()
+    return BoundGraph(gm, bucket, bindings, kernels)
+
+
+def node_points(node, *, bucket: int, tp: int, arch: str) -> tuple[list, str]:
+    """The template points (kernels) that implement one dialect node, in launch order, and a note."""
+    from .codegen import _LOWERING, _Uncovered
+    from .templates import get as get_template
+    from .templates.base import TemplateError
+
+    op = dialect.op_name(node)
+    try:
+        specs, note = _LOWERING[op](node, bucket, tp)
+        return [get_template(t).point(arch=arch, **params) for t, params in specs], note
+    except (_Uncovered, TemplateError) as e:
+        raise RuntimeError_(f"{node.name} ({op}) at bucket {bucket}, TP {tp}: {e}") from None
+
+
+def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str) -> dict:
+    """Kernel name -> Point for every kernel a lowered graph needs (what ``kernels='jit'`` compiles)."""
+    from .codegen import _LOWERING
+
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and dialect.is_k3(node) and dialect.op_name(node) in _LOWERING:
+            for p in node_points(node, bucket=bucket, tp=tp, arch=arch)[0]:
+                out[p.name] = p
+    return out
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _slice_key(n):
+    """(state placeholder, index) for ``placeholder[index]`` nodes, else None."""
+    if isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target is operator.getitem \
+            and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder":
+        return n.args[0].name, repr(n.args[1])
+    return None
+
+
+def _drop_self_copies(graph: torch.fx.Graph) -> None:
+    """``state[:B].copy_(new_state)`` where the kernel already updated ``state[:B]`` in place: drop it."""
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "copy_" or node.users:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if not (isinstance(src, torch.fx.Node) and src.target is operator.getitem and
+                isinstance(src.args[0].target, Binding) and src.args[0].target.op == "kda_decode_fb"):
+            continue
+        kda, idx = src.args[0], src.args[1]
+        if idx == 0:
+            continue
+        state_arg = _named(dialect.k3_ops()["kda_decode_fb"], kda.args, kda.kwargs)[
+            ("conv_q", "conv_k", "conv_v", "recurrent_state")[idx - 1]]
+        if _slice_key(dst) is not None and _slice_key(dst) == _slice_key(state_arg):
+            graph.erase_node(node)
+            if not dst.users:
+                graph.erase_node(dst)
+
+
+# ------------------------------------------------------------------------------------------- dispatcher
+class KernelDispatcher:
+    """What the backend hands Dynamo on the kernel runtime: bucket lookup, padding, CUDA graphs.
+
+    ``graphs``: the lowered graph per bucket; ``inputs``: what each placeholder is (capture.InputInfo)."""
+
+    def __init__(self, graphs: dict[int, torch.fx.GraphModule], inputs, *, tp: int, source: KernelSource,
+                 arch: str, device, options, fallback=None):
+        self.buckets = tuple(sorted(graphs))
+        self.options = options
+        self.fallback = fallback
+        self.device = torch.device(device)
+        self.source = source
+        disable = tuple(options.disable_kernels)
+        self.bound = {b: bind(gm, bucket=b, tp=tp, source=source, arch=arch, device=self.device, disable=disable)
+                      for b, gm in graphs.items()}
+        self.token_index = next(i for i, info in enumerate(inputs) if info.kind == "token_ids")
+        self.sym_index = [i for i, info in enumerate(inputs) if info.kind == "symint"]
+        self.state_index = [i for i, info in enumerate(inputs) if info.kind == "state"]
+        gm = graphs[self.buckets[0]]
+        ph = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        check = next(n for n in gm.graph.nodes if _is_check(n))
+        self.lengths_index = ph[check.args[1].args[0].name]
+        self.vocab_size, self.max_context = int(check.args[2]), int(check.args[3])
+        self.cache_index = {ph[n.args[0].name] for n in gm.graph.nodes
+                            if n.op == "call_method" and n.target == "index_put_"}
+        # shadow: every dialect node also runs its eager op on the same inputs and the error is recorded
+        # (runtime.shadow_errors()); it synchronises, so it runs without CUDA graphs
+        self.shadow = bool(options.shadow)
+        for bg in self.bound.values():
+            for b in bg.bindings:
+                b.shadow = self.shadow
+        self.use_graphs = bool(options.cuda_graphs) and self.device.type == "cuda" and not self.shadow
+        self.calls: dict[int, int] = {b: 0 for b in self.buckets}
+        self._graphs: dict = {}  # (bucket, state pointers) -> (CUDAGraph, static tokens, outputs, launches)
+        self._warm: set = set()
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    @property
+    def graphs(self) -> dict[int, torch.fx.GraphModule]:
+        return {b: bg.gm for b, bg in self.bound.items()}
+
+    def __call__(self, *args):
+        from .compiler import above_largest_bucket, bucket_for
+
+        tokens = args[self.token_index]
+        B = tokens.shape[0]
+        b = bucket_for(B, self.buckets)
+        if b is None:
+            above_largest_bucket(B, self.buckets, self.options)
+            _FALLBACKS["whole_step"] += 1
+            return self.fallback(*args)
+        if tokens.device != self.device:
+            raise RuntimeError_(f"token_ids are on {tokens.device}, the compiled step runs on {self.device}; "
+                                f"pass token ids on the model's device")
+        self.calls[b] += 1
+        lengths = args[self.lengths_index]
+        if self.options.check_inputs:  # the eager model's check (synchronises); check_inputs=False skips it
+            torch.ops.k3model.check_decode_inputs(tokens, lengths[:B], self.vocab_size, self.max_context)
+        args = list(args)
+        saved = []
+        if B < b:
+            if lengths.shape[0] < b:
+                raise RuntimeError_(
+                    f"batch {B} runs in bucket {b}, but the state holds only {lengths.shape[0]} rows; the compiled "
+                    f"step pads the batch to its bucket. Fix: allocate the state with model.new_state({b} or more, "
+                    f"max_context) (rows past the batch are kept exactly as they were)")
+            saved = self._save_padding_rows(args, B, b)
+            args[self.token_index] = torch.cat([tokens, tokens.new_zeros(b - B)])
+        for i in self.sym_index:
+            args[i] = b
+        with torch.no_grad():
+            out = self._run(self.bound[b], args)
+        for dst, value in saved:
+            dst.copy_(value)
+        if B < b:
+            out = type(out)(o[:B] if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+    def _save_padding_rows(self, args, B: int, b: int) -> list:
+        """The padding rows run real (throwaway) work: save what they change, zero their lengths so they
+        write position 0 of their caches; restored after the step."""
+        saved = []
+        for i in self.state_index:
+            t = args[i]
+            view = t[B:b, 0] if i in self.cache_index else t[B:b]
+            saved.append((view, view.clone()))
+        args[self.lengths_index][B:b] = 0
+        return saved
+
+    def _run(self, bg: BoundGraph, args: list):
+        if not self.use_graphs:
+            return bg.gm(*args)
+        key = (bg.bucket, tuple(args[i].data_ptr() for i in self.state_index))
+        entry = self._graphs.get(key)
+        if entry is None:
+            if bg.bucket not in self._warm:  # first call: a real step that also warms up (module loads)
+                self._warm.add(bg.bucket)
+                return bg.gm(*args)
+            entry = self._graphs[key] = self._capture(bg, args)
+        graph, static_tokens, outputs, launches = entry
+        static_tokens.copy_(args[self.token_index])
+        graph.replay()
+        for name in launches:
+            (_FALLBACKS if name.startswith("eager:") else _LAUNCHES)[name.removeprefix("eager:")] += 1
+        return type(outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+    def _capture(self, bg: BoundGraph, args: list):
+        global _RECORDING
+        static_tokens = args[self.token_index].clone()
+        args = list(args)
+        args[self.token_index] = static_tokens
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        _RECORDING = []
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = bg.gm(*args)
+            launches = _RECORDING
+        finally:
+            _RECORDING = None
+        for name in launches:  # captured, not run: counted at each replay instead
+            (_FALLBACKS if name.startswith("eager:") else _LAUNCHES)[name.removeprefix("eager:")] -= 1
+        log.info("k3compile: captured bucket %d into a CUDA graph (%d kernel launches)", bg.bucket, len(launches))
+        return graph, static_tokens, outputs, launches
+
+    def coverage(self, counts: dict | None = None, fallbacks: dict | None = None) -> dict:
+        """The coverage proof: for every bucket that ran, each planned kernel's launches against what the
+        steps require. ``problems`` names every planned kernel that never ran (or ran fewer times than the
+        steps need) and every eager fallback; empty means the fast path ran everywhere it was planned."""
+        counts = launch_counts() if counts is None else counts
+        fallbacks = eager_fallbacks() if fallbacks is None else fallbacks
+        need: collections.Counter = collections.Counter()
+        rows = []
+        for b, bg in self.bound.items():
+            steps = self.calls[b]
+            if not steps:
+                continue
+            for name, per_step in bg.planned().items():
+                need[name] += per_step * steps
+        problems = []
+        for name, n in sorted(need.items()):
+            got = counts.get(name, 0)
+            rows.append({"kernel": name, "required": n, "launched": got})
+            if got < n:
+                problems.append(f"kernel {name} launched {got} times, the steps run need {n}"
+                                + (" (never ran)" if not got else ""))
+        for b, bg in self.bound.items():
+            for e in bg.bindings:
+                if isinstance(e, EagerOp) and self.calls[b]:
+                    instead = f" instead of {', '.join(e.planned)}" if e.planned else ""
+                    problems.append(f"bucket {b}: {e.node} ({e.op}) ran eagerly{instead}: {e.why}")
+        for op, n in sorted(fallbacks.items()):
+            problems.append(f"eager fallback {op}: {n} times")
+        return {"kernels": rows, "calls": dict(self.calls), "problems": problems}
