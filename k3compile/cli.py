@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--tp", type=int, default=1, help="TP size emulated on this GPU (rank 0's shard)")
     be.add_argument("--buckets", type=_int_list, default=(1, 8, 64), help="batch sizes (= buckets)")
     be.add_argument("--context", type=_int_list, default=(1024,), help="tokens already in each sequence")
-    be.add_argument("--package", help="kernel package for the model (codegen --package with --max-context)")
+    be.add_argument("--package", help="kernel package (codegen --package; its --max-context is the state's "
+                                      "capacity); '{layers}' in it is replaced by the depth (--layers)")
     be.add_argument("--systems", type=lambda s: s.split(","), default=["eager", "inductor", "k3compile"],
                     help="comma-separated: eager, inductor, k3compile")
     be.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")

@@ -505,6 +505,7 @@ class KernelDispatcher:
     def __init__(self, graphs: dict[int, torch.fx.GraphModule], inputs, *, tp: int, source: KernelSource,
                  arch: str, device, options, fallback=None):
         self.buckets = tuple(sorted(graphs))
+        self.lowered = graphs  # the pipeline's graphs (dialect ops), before binding
         self.options = options
         self.fallback = fallback
         self.device = torch.device(device)
