@@ -105,7 +105,8 @@ def _count_kernels(fn) -> int:
 
 
 def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[int], contexts: list[int],
-        package: str | None, systems: tuple = SYSTEMS, steps: int = 20, log=print) -> dict:
+        package: str | None, systems: tuple = SYSTEMS, steps: int = 20, log=print, partial=None) -> dict:
+    """``partial(result)`` is called after every row (the JSON survives a crash half-way)."""
     from .models import k3_mini, k3_slice
 
     if not torch.cuda.is_available():
@@ -135,6 +136,9 @@ def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[in
                                      f"max_position_embeddings {config.max_position_embeddings}")
                 for b in buckets:
                     cap = _package_context(pkg) if pkg else ctx + steps + 16
+                    if ctx + steps + 8 > cap:
+                        raise SystemExit(f"--context {ctx} + {steps} steps does not fit the package's state capacity "
+                                         f"{cap} (its --max-context); pass a context below {cap - steps - 8}")
                     state = model.new_state(b, cap)
                     ids = torch.randint(0, config.vocab_size // tp, (b,), device="cuda")
                     state.lengths.fill_(ctx)
@@ -158,11 +162,17 @@ def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[in
                         row.note = (row.note + "; " if row.note else "") + "per-rank compute, communication excluded"
                     rows.append(row)
                     log(_fmt(row))
+                    if partial:
+                        partial(_result(bw, rows))
                     fn = lowered = state = None  # the closures hold the state: drop both before the next row
                     gc.collect()
                     torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
+    return _result(bw, rows)
+
+
+def _result(bw: float, rows: list[Row]) -> dict:
     return {"bandwidth": bw, "rows": [dataclasses.asdict(r) | {"x_floor": r.x_floor} for r in rows],
             "per_layer": per_layer(rows), "gpu": torch.cuda.get_device_name(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}
@@ -233,11 +243,14 @@ def table(result: dict) -> str:
 
 
 def main(args) -> int:
+    def save(res):
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1)
+
     res = run(args.config, layers=args.layers, tp=args.tp, buckets=args.buckets, contexts=args.context,
               package=args.package, systems=tuple(args.systems), steps=args.steps,
-              log=lambda s: print(s, file=sys.stderr, flush=True))
+              log=lambda s: print(s, file=sys.stderr, flush=True), partial=save)
+    save(res)
     print(table(res))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
     return 0
