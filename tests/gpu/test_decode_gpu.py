@@ -37,15 +37,24 @@ def package():
         return path, json.load(fh)["max_context"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from k3compile.models import k3_mini, load_pretrained, save_random_checkpoint
+TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "k3_mini_text")
 
-    trained = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "k3_mini_text")
-    if os.path.exists(os.path.join(trained, "config.json")):
-        return load_pretrained(trained, device="cuda")
-    path = save_random_checkpoint(str(tmp_path_factory.mktemp("mini")), k3_mini(), seed=0)
-    return load_pretrained(path, device="cuda")
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The trained k3-mini (checkpoints/k3_mini_text) when present, else a random one."""
+    from k3compile.models import k3_mini, save_random_checkpoint
+
+    if os.path.exists(os.path.join(TRAINED, "config.json")):
+        return TRAINED
+    return save_random_checkpoint(str(tmp_path_factory.mktemp("mini")), k3_mini(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    from k3compile.models import load_pretrained
+
+    return load_pretrained(checkpoint, device="cuda")
 
 
 def _compile(model, package, buckets, **options):
@@ -88,23 +97,57 @@ def test_graph_replay_after_inputs_state_and_batch_changed(model, package):
     assert graphs.dispatchers[-1].use_graphs and len(graphs.dispatchers[-1]._graphs) == 3
 
 
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 @pytest.mark.parametrize("batch", [1, 3, 8, 64])
-def test_long_decode_against_eager(model, package, batch):
-    """256 steps, both fed the eager model's greedy tokens (teacher forcing, so one early flip of a near-tie
-    does not make the rest incomparable): per-step relative logit error and top-1 agreement."""
+def test_long_decode_as_accurate_as_eager(model, checkpoint, package, batch):
+    """256 steps against the float64 model (the exact math), teacher-forced on its greedy tokens: the
+    compiled step's logit error must be no worse than the eager bf16 model's (median within 1.5x) and its
+    top-1 agreement with float64 no lower than eager's minus 5 points. A random-weight k3-mini is chaotic
+    (a 0.3 % input change moves the logits ~10 %), so both errors are large there; what is compared is
+    the compiled path against eager, on the same footing."""
+    from k3compile.models import load_pretrained
+
+    exact = load_pretrained(checkpoint, device="cuda", dtype=torch.float64)
     bucket = {1: 1, 3: 4, 8: 8, 64: 64}[batch]
     step = _compile(model, package, (bucket,))
     cap = package[1]
-    s_ref, s_k3 = model.new_state(bucket, cap), model.new_state(bucket, cap)
+    s64, sbf, sk3 = exact.new_state(bucket, cap), model.new_state(bucket, cap), model.new_state(bucket, cap)
     ids = torch.arange(batch, device="cuda") % model.config.vocab_size
-    errs, agree = [], []
+    e_k3, e_eager, a_k3, a_eager = [], [], [], []
     for _ in range(256):
-        ref = model.decode(ids, s_ref)
-        out = step(ids, s_k3)
-        errs.append(float((out - ref).norm() / ref.norm()))
-        agree.append(float((out.argmax(-1) == ref.argmax(-1)).float().mean()))
+        ref = exact.decode(ids, s64)
+        eager, out = model.decode(ids, sbf), step(ids, sk3)
+        e_k3.append(_rel(out, ref))
+        e_eager.append(_rel(eager, ref))
+        a_k3.append(float((out.argmax(-1) == ref.argmax(-1)).float().mean()))
+        a_eager.append(float((eager.argmax(-1) == ref.argmax(-1)).float().mean()))
         ids = ref.argmax(-1)
-    errs_t = torch.tensor(errs)
-    print(f"batch {batch}: logit rel error median {errs_t.median():.3g} max {errs_t.max():.3g}; "
-          f"top-1 agreement {sum(agree) / len(agree):.3f}")
-    assert errs_t.median() < 0.05 and sum(agree) / len(agree) > 0.9
+    med_k3, med_eager = torch.tensor(e_k3).median().item(), torch.tensor(e_eager).median().item()
+    top_k3, top_eager = sum(a_k3) / 256, sum(a_eager) / 256
+    print(f"\nbatch {batch} vs float64 over 256 steps: k3compile median rel error {med_k3:.3g} (max "
+          f"{max(e_k3):.3g}), top-1 {top_k3:.3f}; eager bf16 median {med_eager:.3g} (max {max(e_eager):.3g}), "
+          f"top-1 {top_eager:.3f}")
+    assert med_k3 <= 1.5 * med_eager + 1e-3
+    assert top_k3 >= top_eager - 0.05
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_generation_matches_eager(model, checkpoint, package, batch):
+    """Free-running greedy decoding, compiled vs eager bf16 (each on its own tokens): the first step where
+    any sequence's token differs. On the trained checkpoint at least 64 steps agree."""
+    if not os.path.exists(os.path.join(TRAINED, "config.json")):
+        pytest.fail("checkpoints/k3_mini_text is missing: greedy agreement is only meaningful on the trained model")
+    step = _compile(model, package, (batch,))
+    cap = package[1]
+    s_ref, s_k3 = model.new_state(batch, cap), model.new_state(batch, cap)
+    a = b = torch.arange(1, batch + 1, device="cuda") * 7 % model.config.vocab_size
+    first = None
+    for i in range(128):
+        a, b = model.decode(a, s_ref).argmax(-1), step(b, s_k3).argmax(-1)
+        if first is None and not torch.equal(a, b):
+            first = i
+    print(f"\nbatch {batch}: first greedy divergence at step {first} of 128")
+    assert first is None or first >= 64
