@@ -103,6 +103,12 @@ def cmd_bench(args) -> int:
     return main(args)
 
 
+def cmd_verify(args) -> int:
+    from .verify import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="k3compile",
@@ -178,6 +184,26 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
     be.add_argument("--json", default="bench.json", help="where to write the results")
     be.set_defaults(func=cmd_bench)
+    ve = sub.add_parser("verify", help="evidence that the compiled path is right and was taken (report)",
+                        description="Coverage proof from the launch counters, kernel checks (GPU: float64 on "
+                                    "fresh poisoned inputs; CPU: compile + bit logic + per-node references), long "
+                                    "greedy generation vs eager, cross-bucket consistency, the PTX memory-ordering "
+                                    "audit, the scope, and (GPU, --bench) the performance sweep. Exit 1 on any "
+                                    "failed check; GPU-only checks are listed as skipped on a CPU.")
+    ve.add_argument("--config", default="k3_mini", choices=("k3_mini",),
+                    help="k3_mini: the trained checkpoint (checkpoints/k3_mini_text) unless --checkpoint")
+    ve.add_argument("--checkpoint", help="a k3-mini-class checkpoint directory")
+    ve.add_argument("--tp", type=int, default=1, choices=(1,), help="TP size (1; real TP: the multi-GPU issue)")
+    ve.add_argument("--buckets", type=_int_list, default=(1, 4, 8), help="buckets to compile and check")
+    ve.add_argument("--steps", type=int, default=1000, help="generated tokens per prompt (long generation)")
+    ve.add_argument("--kernels", default=None, help="package:DIR, jit or reference (default: $K3_KERNEL_PACKAGE "
+                                                    "on a GPU, reference on a CPU)")
+    ve.add_argument("--disable", help="comma-separated ops/kernels forced onto eager (shows the proof failing)")
+    ve.add_argument("--no-compile-check", action="store_true", help="skip compiling the kernels (and the audit)")
+    ve.add_argument("--bench", action="store_true", help="GPU: add the k3compile bench rows")
+    ve.add_argument("--report", help="write the Markdown report here")
+    ve.add_argument("--json", help="write the JSON report here")
+    ve.set_defaults(func=cmd_verify)
     return p
 
 
