@@ -114,10 +114,6 @@ def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[in
     bw = measure_copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows: list[Row] = []
-    # k3compile first (its lowered graph gives the floor), Inductor last: on torch 2.11 a Dynamo capture with
-    # a dynamic batch after an Inductor compile of the same function can fail to trace
-    order = sorted(systems, key=lambda s: SYSTEMS.index(s) if s in SYSTEMS else -1)
-    order = [s for s in ("k3compile", "eager", "inductor") if s in order] + [s for s in order if s not in SYSTEMS]
     for n in layers or [None]:
         if config_name == "k3_mini":
             config = k3_mini() if n is None else _prefix(k3_mini(), n)
@@ -126,50 +122,61 @@ def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[in
         else:
             raise SystemExit(f"--config {config_name}: bench runs k3_mini or slice (real dimensions)")
         model = build_model(config, tp)
-        nl = config.num_hidden_layers
-        pkg = package.format(layers=nl) if package else None
-        floors: dict = {}
-        for system in order:
-            for ctx in contexts:
-                if ctx + steps + 8 > config.max_position_embeddings:
-                    raise SystemExit(f"--context {ctx} leaves no room for {steps} steps below {config.name}'s "
-                                     f"max_position_embeddings {config.max_position_embeddings}")
-                for b in buckets:
-                    cap = _package_context(pkg) if pkg else ctx + steps + 16
-                    if ctx + steps + 8 > cap:
-                        raise SystemExit(f"--context {ctx} + {steps} steps does not fit the package's state capacity "
-                                         f"{cap} (its --max-context); pass a context below {cap - steps - 8}")
-                    state = model.new_state(b, cap)
-                    ids = torch.randint(0, config.vocab_size // tp, (b,), device="cuda")
-                    state.lengths.fill_(ctx)
-                    mem0 = torch.cuda.memory_allocated()
-                    row = Row(config.name, nl, tp, ctx, b, system)
-                    fn = lowered = None
-                    try:
-                        fn, lowered = _system(system, model, state, ids, b, pkg)
-                        fn()  # compiles (k3compile, Inductor), warms up
-                        if (ctx, b) not in floors:
-                            floors[ctx, b] = _floor_us(lowered() if lowered else None, model, state, ids, tp, b,
-                                                       ctx, bw)
-                        row.floor_us = floors[ctx, b]
-                        state.lengths.fill_(ctx)
-                        row.us_per_step = _time_steps(fn, steps)
-                        row.launches = _count_kernels(fn)
-                        row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
-                    except Exception as e:  # a baseline that cannot run is reported, not hidden
-                        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                    if tp > 1:
-                        row.note = (row.note + "; " if row.note else "") + "per-rank compute, communication excluded"
-                    rows.append(row)
-                    log(_fmt(row))
-                    if partial:
-                        partial(_result(bw, rows))
-                    fn = lowered = state = None  # the closures hold the state: drop both before the next row
-                    gc.collect()
-                    torch.cuda.empty_cache()
+        pkg = package.format(layers=config.num_hidden_layers) if package else None
+        run_model(model, tp=tp, buckets=buckets, contexts=contexts, package=pkg, systems=systems, steps=steps,
+                  bandwidth=bw, rows=rows, log=log, partial=partial)
         del model
         torch.cuda.empty_cache()
     return _result(bw, rows)
+
+
+def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems, steps: int, bandwidth: float,
+              rows: list, log=print, partial=None) -> list:
+    """Rows for one model (appended to ``rows``): every system x context x bucket."""
+    config, bw = model.config, bandwidth
+    nl = config.num_hidden_layers
+    # k3compile first (its lowered graph gives the floor), Inductor last: on torch 2.11 a Dynamo capture with
+    # a dynamic batch after an Inductor compile of the same function can fail to trace
+    order = [s for s in ("k3compile", "eager", "inductor") if s in systems] + [s for s in systems if s not in SYSTEMS]
+    floors: dict = {}
+    for system in order:
+        for ctx in contexts:
+            if ctx + steps + 8 > config.max_position_embeddings:
+                raise SystemExit(f"--context {ctx} leaves no room for {steps} steps below {config.name}'s "
+                                 f"max_position_embeddings {config.max_position_embeddings}")
+            for b in buckets:
+                cap = _package_context(package) if package else ctx + steps + 16
+                if ctx + steps + 8 > cap:
+                    raise SystemExit(f"--context {ctx} + {steps} steps does not fit the package's state capacity "
+                                     f"{cap} (its --max-context); pass a context below {cap - steps - 8}")
+                state = model.new_state(b, cap)
+                ids = torch.randint(0, config.vocab_size // tp, (b,), device="cuda")
+                state.lengths.fill_(ctx)
+                mem0 = torch.cuda.memory_allocated()
+                row = Row(config.name, nl, tp, ctx, b, system)
+                fn = lowered = None
+                try:
+                    fn, lowered = _system(system, model, state, ids, b, package)
+                    fn()  # compiles (k3compile, Inductor), warms up
+                    if (ctx, b) not in floors:
+                        floors[ctx, b] = _floor_us(lowered() if lowered else None, model, state, ids, tp, b, ctx, bw)
+                    row.floor_us = floors[ctx, b]
+                    state.lengths.fill_(ctx)
+                    row.us_per_step = _time_steps(fn, steps)
+                    row.launches = _count_kernels(fn)
+                    row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
+                except Exception as e:  # a baseline that cannot run is reported, not hidden
+                    row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                if tp > 1:
+                    row.note = (row.note + "; " if row.note else "") + "per-rank compute, communication excluded"
+                rows.append(row)
+                log(_fmt(row))
+                if partial:
+                    partial(_result(bw, rows))
+                fn = lowered = state = None  # the closures hold the state: drop both before the next row
+                gc.collect()
+                torch.cuda.empty_cache()
+    return rows
 
 
 def _result(bw: float, rows: list[Row]) -> dict:

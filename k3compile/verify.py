@@ -142,7 +142,9 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     c.details.append(f"pass pipeline (dialect eager ops) vs eager: {c.data['passes_bit_exact']['steps']} steps, "
                      f"max |diff| {c.data['passes_bit_exact']['max_abs']}")
     audit = Check("memory-ordering audit")
-    if compile_check:
+    if kernels.startswith("package:"):  # the package was compiled and audited when it was built
+        _package_audit(kernels.removeprefix("package:"), kern, c, audit)
+    elif compile_check:
         _compile_and_audit(kern, c, audit)
     else:
         audit.status = "skipped"
@@ -161,14 +163,15 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     checks.append(_scope(d, kernels, buckets, gpu))
     perf = Check("performance sweep")
     if gpu and bench and kernels.startswith("package:"):
-        from .bench import run as bench_run
+        from .bench import measure_copy_bandwidth, run_model
 
-        res = bench_run("k3_mini", layers=None, tp=1, buckets=list(buckets), contexts=[min(1024, cap - 64)],
-                        package=kernels.removeprefix("package:"), systems=("k3compile", "eager"), steps=10,
-                        log=lambda s: None)
-        perf.data = res
-        perf.summary = "; ".join(f"b{r['bucket']} {r['system']} {r['us_per_step']:.0f} us (x{r['x_floor']:.1f} "
-                                 f"floor)" for r in res["rows"])
+        rows: list = []
+        run_model(model, tp=1, buckets=list(buckets), contexts=[min(1024, cap - 64)],
+                  package=kernels.removeprefix("package:"), systems=("k3compile", "eager"), steps=10,
+                  bandwidth=measure_copy_bandwidth(), rows=rows, log=lambda s: None)
+        perf.data = {"rows": [r.__dict__ for r in rows]}
+        perf.summary = "; ".join(f"b{r.bucket} {r.system} {r.us_per_step:.0f} us (x{r.x_floor:.1f} floor, "
+                                 f"{r.launches} launches)" for r in rows)
     else:
         perf.status = "skipped"
         perf.summary = "skipped: needs a GPU and a package (pass --bench on the GPU host)"
@@ -227,6 +230,22 @@ def _compile_and_audit(kern: dict, c: Check, audit: Check) -> None:
     bad = {n: k["audit"]["problems"] for n, k in man["kernels"].items() if not k["audit"]["ok"]}
     audit.data = {n: k["audit"] for n, k in man["kernels"].items()}
     audit.summary = f"{len(man['kernels']) - len(bad)} of {len(man['kernels'])} kernels pass (PTX read)"
+    for n, problems in bad.items():
+        audit.fail(f"{n}: {problems}")
+
+
+def _package_audit(root: str, kern: dict, c: Check, audit: Check) -> None:
+    with open(os.path.join(root, "manifest.json")) as fh:
+        man = json.load(fh)["kernels"]
+    used = {n: man[n] for n in kern}
+    spills = [n for n, k in used.items() if k["ptxas"]["spill_store_bytes"]]
+    c.details.append(f"package build (ptxas, {len(used)} kernels used): max "
+                     f"{max(k['ptxas']['registers'] for k in used.values())} registers, spills in {len(spills)}")
+    for n in spills:
+        c.fail(f"{n} spills registers")
+    bad = {n: k["audit"]["problems"] for n, k in used.items() if not k["audit"]["ok"]}
+    audit.data = {n: k["audit"] for n, k in used.items()}
+    audit.summary = f"{len(used) - len(bad)} of {len(used)} kernels pass (PTX audited at package build)"
     for n, problems in bad.items():
         audit.fail(f"{n}: {problems}")
 

@@ -2,17 +2,25 @@
 # The compiled decode step on the H200: tests/gpu/test_decode_gpu.py, then `k3compile bench` on k3-mini.
 #
 #   here:   k3compile codegen --config k3_mini --tp 1 --package -o .gpu/mini     (any CPU machine)
-#   there:  bash tests/gpu/run_decode.sh .gpu/mini            (STAGES="tests bench" by default)
+#   there:  bash tests/gpu/run_decode.sh .gpu/mini            (STAGES="tests verify bench" by default)
+#
+# The package must be built for the checkpoint the tests load: the trained checkpoints/k3_mini_text when it
+# is in the checkout (codegen --config checkpoints/k3_mini_text/config.json), else a random k3-mini.
 set -uo pipefail
 PKG=${1:-.gpu/mini}
 source tests/gpu/setup.sh "$PKG"
 export K3_DECODE_PACKAGE="$PKG"
 status=0
-if [[ " ${STAGES:-tests bench} " == *" tests "* ]]; then
+if [[ " ${STAGES:-tests verify bench} " == *" tests "* ]]; then
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/gpu/test_decode_gpu.py -p no:cacheprovider -s \
         -o faulthandler_timeout=300 -rf ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/decode_tests.log" | tail -n 40 || status=1
 fi
-if [[ " ${STAGES:-tests bench} " == *" bench "* ]]; then
+if [[ " ${STAGES:-tests verify bench} " == *" verify "* ]]; then
+    timeout "${VERIFY_TIMEOUT:-400}" python3 -m k3compile.cli verify --kernels "package:$PKG" --buckets 1,4,8 \
+        --steps "${VERIFY_STEPS:-1000}" --bench --report "$OUT/verify.md" --json "$OUT/verify.json" 2>&1 \
+        | grep -v "^DEBUG" | tail -n 30 || status=1
+fi
+if [[ " ${STAGES:-tests verify bench} " == *" bench "* ]]; then
     timeout "${BENCH_TIMEOUT:-400}" python3 -m k3compile.cli bench --config k3_mini --package "$PKG" \
         --json "$OUT/bench_mini.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_mini.log" | tail -n 40 || status=1
 fi
