@@ -179,6 +179,40 @@ def save_random_checkpoint(path, config: K3Config, *, seed: int = 0, max_shard_b
     return path
 
 
+def save_checkpoint(model: K3Model, path) -> str:
+    """Write ``model`` (unsharded) as ``config.json`` + ``model.safetensors`` in the released format.
+
+    Every tensor of :func:`tensor_specs` is read from the model under its checkpoint name and cast to the
+    checkpoint dtype (BF16 weights, F32 ``A_log`` / ``dt_bias`` / ``e_score_correction_bias``, U8 MXFP4
+    experts); ``A_log`` gets its zero padding back. :func:`load_pretrained` reads the result.
+    """
+    from safetensors.torch import save_file
+
+    if model.tp.size != 1:
+        raise ValueError("save_checkpoint writes an unsharded model (tp_size 1)")
+    config = model.config
+    state = dict(model.named_parameters())
+    state.update(model.named_buffers())
+    tensors: dict[str, torch.Tensor] = {}
+    for spec in tensor_specs(config):
+        key, expert, _ = _model_key(spec.name)
+        t = state[key].detach()
+        if expert is not None:
+            t = t[expert]
+        if spec.name.endswith("self_attn.A_log"):
+            padded = torch.zeros(spec.shape, dtype=torch.float32)
+            padded[: t.numel()] = t.float().cpu()
+            t = padded
+        if tuple(t.shape) != spec.shape:
+            raise CheckpointError(f"model tensor {key} has shape {list(t.shape)}, the checkpoint needs "
+                                  f"{list(spec.shape)} for '{spec.name}'")
+        tensors[spec.name] = t.to(device="cpu", dtype=spec.dtype).contiguous()
+    os.makedirs(path, exist_ok=True)
+    config.save(os.path.join(path, "config.json"))
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return os.fspath(path)
+
+
 # ---------------------------------------------------------------------------------------------- loading
 def _canonical(name: str) -> str:
     if name.startswith("language_model.layers."):  # vLLM's hf_to_vllm_mapper alias

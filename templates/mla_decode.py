@@ -53,6 +53,9 @@ class MlaDecode(Template):
              f"{p}: heads={heads} must be in 2..{MAX_HEADS} (one warp per local head, at most 1024 threads; with "
              f"a single warp the cooperative cache-tile loads spill registers): use a TP size that leaves 2 or "
              f"more heads per rank, or shard the heads over more ranks when there are too many")
+        need(isinstance(heads, int) and isinstance(kv_lora, int) and 32 * heads >= kv_lora // 8,
+             f"{p}: {heads} heads give {32 * heads} threads, fewer than the {kv_lora // 8} that hold the kv_lora="
+             f"{kv_lora} part of the latent row during its RMSNorm; use at least {-(-kv_lora // 256)} local heads")
         need(isinstance(kv_lora, int) and kv_lora > 0 and kv_lora % 256 == 0,
              f"{p}: kv_lora={kv_lora} must be a positive multiple of 256 (each lane owns whole 8-element chunks "
              f"of the latent); K3 uses 512")
@@ -100,6 +103,7 @@ class MlaDecode(Template):
             ex[f"mini_b{b}"] = dict(bucket=b, heads=8, lmax=8192, **common)  # k3-mini TP1, full context
         for b, lmax in ((1, 32768), (8, 32768), (64, 16384)):  # cache <= 2.4 GB; b64 kept smaller for CPU refs
             ex[f"k3tp8_b{b}"] = dict(bucket=b, heads=12, lmax=lmax, **common)
+        ex["mini_h2_b4"] = dict(bucket=4, heads=2, lmax=4096, **common)  # the trained k3-mini (2 heads): 64 threads
         return ex
 
     def args(self, c):

@@ -183,11 +183,12 @@ class Kernel:
                 cute.autovec_copy(rY, cute.local_tile(sLatent, (VEC,), (tid,)))
                 if split == 0:
                     cute.autovec_copy(rY, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
-            elif tid < NORM_THREADS + ROPE_THREADS:
-                cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (tid,)), rX)
-                cute.autovec_copy(rX, cute.local_tile(sLatent, (VEC,), (tid,)))
+            # the rope part, strided over every thread (with 2 heads there are fewer threads than chunks)
+            for r8 in cutlass.range(tid, ROPE_THREADS, THREADS, unroll=1):
+                cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (NORM_THREADS + r8,)), rX)
+                cute.autovec_copy(rX, cute.local_tile(sLatent, (VEC,), (NORM_THREADS + r8,)))
                 if split == 0:
-                    cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
+                    cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
             cute.arch.sync_threads()
 
             # -- 2. absorbed query of this warp's head, pre-scaled into log2 units

@@ -76,6 +76,7 @@ def test_args_roles_and_shapes():
 @pytest.mark.parametrize("bad, what", [
     ({"bucket": 3}, "bucket"),
     ({"heads": 33}, "heads=33"),
+    ({"heads": 2, "kv_lora": 1024}, "2 heads give 64 threads, fewer than the 128"),
     ({"kv_lora": 300}, "kv_lora=300"),
     ({"rope": 48}, "rope=48"),
     ({"v": 100}, "v=100"),
