@@ -55,6 +55,16 @@ class Check:
         self.details.append(why)
 
 
+def _compile(model, buckets, **options):
+    """A fresh compile of ``model.decode``. Dynamo is reset first: on torch 2.11, recompiling the same
+    ``decode`` for states of other capacities in one process can mark the capacity dynamic and then fail to
+    trace ``state[:B]`` (each section here compiles anew, like the pytest fixtures do)."""
+    import k3compile
+
+    torch._dynamo.reset()
+    return k3compile.compile(model, buckets=buckets, options=options)
+
+
 def _model(checkpoint: str | None, device: str):
     from .models import k3_mini, load_pretrained, save_random_checkpoint
     from .models.train import trained_checkpoint
@@ -71,7 +81,6 @@ def _model(checkpoint: str | None, device: str):
 
 def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, kernels: str | None = None,
            disable: tuple = (), compile_check: bool = True, bench: bool = False, log=print) -> dict:
-    import k3compile
 
     gpu = torch.cuda.is_available() and kernels not in ("reference",)
     device = "cuda" if gpu else "cpu"
@@ -88,8 +97,7 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     log(f"verify: {ckpt} on {device}, kernels {kernels}, buckets {list(buckets)}")
     # 1 + 2 (shadow): run every bucket, full and padded, with the eager op beside every node
     runtime.reset_launch_counts()
-    step = k3compile.compile(model, buckets=buckets, options={"kernels": kernels, "shadow": True,
-                                                              "disable_kernels": tuple(disable)})
+    step = _compile(model, buckets, kernels=kernels, shadow=True, disable_kernels=tuple(disable))
     state = model.new_state(buckets[-1], cap)
     gen = torch.Generator().manual_seed(0)
     batches = [x for b in buckets for x in ((b, b - 1) if b > 1 else (b,))]
@@ -192,9 +200,7 @@ def _capacity(kernels: str, steps: int) -> int:
 
 
 def _passes_exact(model, buckets, cap, device, n: int = 4) -> dict:
-    import k3compile
-
-    step = k3compile.compile(model, buckets=buckets, options={"kernels": "eager"})
+    step = _compile(model, buckets, kernels="eager")
     b = buckets[-1]
     s1, s2 = model.new_state(b, cap), model.new_state(b, cap)
     ids = torch.arange(b, device=device)
@@ -256,13 +262,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _long_generation(model, kernels, buckets, steps, cap, device) -> Check:
-    import k3compile
 
     prompts = [[1, 2, 3], [7] * 9, list(range(20, 45)), [3]]
     batch = min(len(prompts), buckets[-1])
     prompts = prompts[:batch]
     c = Check("long generation")
-    step = k3compile.compile(model, buckets=buckets, options={"kernels": kernels})
+    step = _compile(model, buckets, kernels=kernels)
     free_ref, free_k3 = model.new_state(buckets[-1], cap), model.new_state(buckets[-1], cap)
     tf_ref, tf_k3 = model.new_state(buckets[-1], cap), model.new_state(buckets[-1], cap)
     longest = max(len(p) for p in prompts)
@@ -297,11 +302,10 @@ def _long_generation(model, kernels, buckets, steps, cap, device) -> Check:
 
 
 def _cross_bucket(model, kernels, buckets, cap, device, n: int = 8) -> Check:
-    import k3compile
 
     c = Check("cross-bucket consistency")
     seq = torch.tensor([5], device=device)
-    alone = k3compile.compile(model, buckets=(1,), options={"kernels": kernels})
+    alone = _compile(model, (1,), kernels=kernels)
     s1 = model.new_state(1, cap)
     ref = []
     ids = seq
@@ -312,7 +316,7 @@ def _cross_bucket(model, kernels, buckets, cap, device, n: int = 8) -> Check:
     for b in buckets:
         if b == 1:
             continue
-        step = k3compile.compile(model, buckets=(b,), options={"kernels": kernels})
+        step = _compile(model, (b,), kernels=kernels)
         s = model.new_state(b, cap)
         others = torch.arange(100, 100 + b - 1, device=device)
         tok, worst = seq, 0.0
