@@ -7,7 +7,9 @@ node to (``codegen._LOWERING``: the same mapping, so the package built offline i
 
     before: front_gemm_0 = k3.front_gemm(x, [Wq, Wk, Wv, ...], fp32, gather, '', 1, 0)
     after:  front_gemm_0 = Binding[front_gemm -> gemv_1a2b3c4d5e](x, [Wq, Wk, Wv, ...], ...)
-                           # one GEMV over the weights concatenated at first use, outputs split
+                           # one GEMV over the weights concatenated at first use, outputs split; the
+                           # model's parameters are then pointed at their rows of the concatenation
+                           # (same values, one copy in memory; eager decode keeps working)
 
 Kernels come from a :class:`KernelSource`:
 
@@ -234,12 +236,12 @@ class Binding:
         ws, fp32, gather, rank = a["weights"], a["fp32"], a["gather"], a["rank"]
         rows = [w.shape[0] // self.tp if gth and self.tp > 1 else w.shape[0] for w, gth in zip(ws, gather)]
         order = [i for i in range(len(ws)) if fp32[i]] + [i for i in range(len(ws)) if not fp32[i]]
-        key = tuple((w.data_ptr(), w._version) for w in ws)
-        cat = self._weights.get(key)
-        if cat is None:  # weights are static: concatenated once (fp32 entries first), kept for the graph
-            parts = [ws[i][rank * rows[i]:(rank + 1) * rows[i]] if rows[i] != ws[i].shape[0] else ws[i]
-                     for i in order]
-            cat = self._weights[key] = torch.cat(parts, 0).contiguous()
+        cat = _adjacent(ws, order, rows)
+        if cat is None:  # first call (or sharded entries): concatenate once, keep it for the graph
+            key = tuple((w.data_ptr(), w._version) for w in ws)
+            cat = self._weights.get(key)
+            if cat is None:
+                cat = self._weights[key] = _concatenate(ws, order, rows, rank)
         out = g(w=cat, x=a["x"])
         res: list = [None] * len(ws)
         off = {True: 0, False: 0}
@@ -315,6 +317,37 @@ class Binding:
         o = k(q=a["q"], kv=a["kv"], kv_norm_weight=a["kv_norm_weight"], gate=a["gate"], cache=a["cache"],
               lengths=a["lengths"], kv_b_weight=a["kv_b_weight"])
         return o["out"], o["latent"]
+
+
+def _adjacent(ws, order, rows):
+    """The weights (in kernel order) as one [sum(rows), K] view when they already lie back to back in one
+    storage (what :func:`_concatenate` leaves behind), else None."""
+    first = ws[order[0]]
+    if any(rows[i] != ws[i].shape[0] or not ws[i].is_contiguous() for i in order):
+        return None
+    base, off = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i in order:
+        w = ws[i]
+        if w.untyped_storage().data_ptr() != base or w.storage_offset() != off:
+            return None
+        off += w.numel()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (sum(rows[i] for i in order), first.shape[1]))
+
+
+def _concatenate(ws, order, rows, rank: int) -> torch.Tensor:
+    """Concatenate the weights once (fp32 entries first), then point every full (unsharded) weight at its
+    rows of the result: the model keeps working, its values are unchanged, and no second copy stays in
+    memory. The next call finds them adjacent (:func:`_adjacent`)."""
+    parts = [ws[i][rank * rows[i]:(rank + 1) * rows[i]] if rows[i] != ws[i].shape[0] else ws[i] for i in order]
+    cat = torch.cat(parts, 0).contiguous()
+    if all(rows[i] == ws[i].shape[0] for i in order):
+        off = 0
+        with torch.no_grad():
+            for i in order:
+                ws[i].data = cat[off:off + rows[i]]
+                off += rows[i]
+    return cat
 
 
 def _as_list(x) -> list:
