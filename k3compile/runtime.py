@@ -157,8 +157,7 @@ class Kernel:
             else:
                 t = _fit(self.name, a, given[a.name])
             tensors.append(t)
-        _LAUNCHES[self.name] += 1
-        _RECORDING.append(self.name) if _RECORDING is not None else None
+        _count(self.name)
         self.fn(*tensors)
         return outs
 
@@ -181,6 +180,12 @@ def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
 _RECORDING: list | None = None  # kernel names launched while a CUDA graph is being captured
 
 
+def _count(name: str) -> None:
+    _LAUNCHES[name] += 1
+    if _RECORDING is not None:
+        _RECORDING.append(name)
+
+
 # --------------------------------------------------------------------------------------------- bindings
 def _named(op, args, kwargs) -> dict:
     names = [a.name for a in op._schema.arguments]
@@ -189,9 +194,30 @@ def _named(op, args, kwargs) -> dict:
     return out
 
 
-def _emulated_gather(x: torch.Tensor, tp: int) -> torch.Tensor:
-    """Single-GPU TP emulation: every rank's shard is taken to equal this rank's (communication excluded)."""
-    return x.repeat(1, tp) if tp > 1 else x
+def emulating(tp: int) -> bool:
+    """TP > 1 on a fake process group (one GPU standing in for rank 0): collectives are not run."""
+    import torch.distributed as dist
+
+    return tp > 1 and dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def _gather(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
+    """All-gather of the ranks' shards along the last dim (NCCL / gloo through torch.distributed). In
+    single-GPU emulation every rank's shard is taken to equal this rank's (communication excluded)."""
+    if tp == 1:
+        return x
+    if emulating(tp):
+        return x.repeat(1, tp)
+    _count("collective:all_gather")
+    return dialect._all_gather_last(x.contiguous(), group, tp)
+
+
+def _reduce(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
+    """All-reduce (sum) over the TP group; the identity at TP 1 and in single-GPU emulation."""
+    if tp == 1 or emulating(tp):
+        return x
+    _count("collective:all_reduce")
+    return dialect._all_reduce(x, group, tp)
 
 
 class Binding:
@@ -230,7 +256,7 @@ class Binding:
         w = a["weight"]
         n = w.shape[0] // self.tp
         y = _single(g(w=w[a["rank"] * n:(a["rank"] + 1) * n], x=a["x"]))
-        return _emulated_gather(y, self.tp)
+        return _gather(y, a["group"], self.tp)
 
     def _front_gemm(self, a, g):
         ws, fp32, gather, rank = a["weights"], a["fp32"], a["gather"], a["rank"]
@@ -249,7 +275,7 @@ class Binding:
             src = out["y_f32"] if fp32[i] else out["y_bf16"]
             y = src.narrow(1, off[fp32[i]], rows[i])
             off[fp32[i]] += rows[i]
-            res[i] = _emulated_gather(y, self.tp) if gather[i] and self.tp > 1 else y
+            res[i] = _gather(y, a["group"], self.tp) if gather[i] and self.tp > 1 else y
         return res
 
     def _rms_norm_linear(self, a, g):
@@ -282,16 +308,18 @@ class Binding:
         return o["y"], o["new_prefix"]
 
     def _oproj_residual_norm(self, a, g, res):
-        y = _single(g(w=a["weight"], x=a["y"]))  # all-reduce: identity at TP 1 / in single-GPU emulation
+        y = _reduce(_single(g(w=a["weight"], x=a["y"])), a["group"], self.tp)
         return self._residual(res, a, y, a["prefix"])
 
     def _ffn_sum(self, a, kernels):
         """The FFN output s (the kernels before the final residual)."""
+        partial = _reduce(a["partial"], a["group"], self.tp)
         if a["latent_partial"] is None:
-            return a["partial"]
+            return partial
         up, add = kernels
-        r = _single(up(w=a["up_weight"], x=a["latent_partial"], norm_weight=a["latent_norm_weight"]))
-        return add(a=a["partial"], prefix=r)["new_prefix"]  # r + partial, as eager adds them
+        latent = _reduce(a["latent_partial"], a["group"], self.tp)
+        r = _single(up(w=a["up_weight"], x=latent, norm_weight=a["latent_norm_weight"]))
+        return add(a=partial, prefix=r)["new_prefix"]  # r + partial, as eager adds them
 
     def _ffn_tail_norm(self, a, *ks):
         return self._residual(ks[-1], a, self._ffn_sum(a, ks[:-1]), a["prefix"])
@@ -371,6 +399,23 @@ def _single(out: dict) -> torch.Tensor:
     return out.get("y_bf16", out.get("y_f32"))
 
 
+class Collective:
+    """A model-level collective node (``tp_all_reduce`` / ``tp_all_gather``): issued by the runtime through
+    torch.distributed (NCCL, gloo); counted as ``collective:<kind>``; no-ops in single-GPU emulation."""
+
+    def __init__(self, node):
+        self.op, self.target, self.node = dialect.op_name(node), node.target, node.name
+        self.kernels: list = []
+        self.shadow = False
+        self.__name__ = f"k3_{self.op}"
+
+    def __repr__(self) -> str:
+        return f"Collective[{self.op}]"
+
+    def __call__(self, x, group, tp):
+        return _reduce(x, group, tp) if self.op == "tp_all_reduce" else _gather(x, group, tp)
+
+
 class EagerOp:
     """A dialect op run through its eager implementation (a fallback: counted, and verification fails)."""
 
@@ -411,7 +456,7 @@ class BoundGraph:
         """Kernel name -> launches one step of this graph makes."""
         c: collections.Counter = collections.Counter()
         for b in self.bindings:
-            c.update(k.name for k in b.kernels) if isinstance(b, Binding) else c.update(b.planned)
+            c.update(b.planned) if isinstance(b, EagerOp) else c.update(k.name for k in b.kernels)
         return c
 
     def table(self) -> str:
@@ -419,11 +464,11 @@ class BoundGraph:
 
 
 def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource, arch: str, device,
-         disable: tuple = (), allow_eager: tuple = ("tp_all_reduce", "tp_all_gather")) -> BoundGraph:
+         disable: tuple = ()) -> BoundGraph:
     """Rewrite a lowered graph so that every dialect node calls its kernels.
 
     ``disable``: dialect ops or kernel names forced to run eagerly (tests of the coverage proof).
-    ``allow_eager``: ops without a template that may run eagerly (collectives; counted as fallbacks)."""
+    Model-level collectives become :class:`Collective` nodes (torch.distributed; no-ops in emulation)."""
     from .codegen import _LOWERING
 
     gm = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
@@ -436,20 +481,19 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
         if node.op != "call_function" or not dialect.is_k3(node):
             continue
         op = dialect.op_name(node)
-        why = ""
         if op == "prefetch":
             node.target = _noop
             continue
+        if op in ("tp_all_reduce", "tp_all_gather"):
+            node.target = Collective(node)
+            bindings.append(node.target)
+            continue
         if op not in _LOWERING:
-            why = f"no kernel template for {op}"
-            if op not in allow_eager:
-                raise RuntimeError_(f"{node.name}: {why}; the runtime cannot run this graph on kernels")
-        if not why:
-            points, note = node_points(node, bucket=bucket, tp=tp, arch=arch)
-            if op in disable or any(p.name in disable for p in points):
-                why = "disabled by the caller"
-        if why:
-            b = EagerOp(node, why, [p.name for p in points] if op in _LOWERING else ())
+            raise RuntimeError_(f"{node.name}: no kernel template for {op}; the runtime cannot run this graph on "
+                                f"kernels")
+        points, note = node_points(node, bucket=bucket, tp=tp, arch=arch)
+        if op in disable or any(p.name in disable for p in points):
+            b = EagerOp(node, "disabled by the caller", [p.name for p in points])
         else:
             ks = []
             for p in points:

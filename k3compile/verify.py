@@ -339,8 +339,8 @@ def _scope(d, kernels, buckets, gpu) -> Check:
     eager = []
     for b, bg in d.bound.items():
         for n in bg.gm.graph.nodes:
-            if n.op in ("call_function", "call_method") and not isinstance(n.target, (runtime.Binding,
-                                                                                     runtime.EagerOp)):
+            if n.op in ("call_function", "call_method") and not isinstance(n.target, (runtime.Binding, runtime.EagerOp,
+                                                                                     runtime.Collective)):
                 t = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
                 if t not in ("getitem", "_positions", "_noop"):
                     glue[t] += 1

@@ -142,14 +142,50 @@ def test_front_gemm_weights_are_concatenated_in_place_not_copied(mini_ckpt):
     attn = model.layers[1].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.k_proj.weight.untyped_storage().data_ptr()
     step = _compile(model, (2,))
+    graphs = []
     with one_thread():
         for _ in range(2):
             step(torch.tensor([3, 4]), model.new_state(2, 8))
+            graphs.append(counters["stats"]["unique_graphs"])
     names = ("f_a_proj", "q_proj", "k_proj", "v_proj", "b_proj", "g_proj")  # the KDA front GEMM's entries
     storages = {getattr(attn, n).weight.untyped_storage().data_ptr() for n in names}
     assert len(storages) == 1, "the six weights now live in one buffer"
-    assert counters["stats"]["unique_graphs"] == 1, "re-pointing the weights did not recompile"
+    assert graphs[1] == graphs[0], "re-pointing the weights did not recompile"
     with one_thread():
         a = model.decode(torch.tensor([5]), model.new_state(1, 4))
         b = untouched.decode(torch.tensor([5]), untouched.new_state(1, 4))
     assert torch.equal(a, b)
+
+
+def _tp_runtime_worker(rank, world, ckpt, out_dir):
+    import os
+
+    from k3compile.models import load_pretrained
+
+    model = load_pretrained(ckpt, tp_rank=rank, tp_size=world)
+    step = k3compile.compile(model, tp=world, buckets=(1, 4), options={"kernels": "reference", "shadow": True})
+    state = model.new_state(4, 16)
+    logits = [step(torch.arange(1 + i, 1 + i + b), state) for i, b in enumerate((1, 3, 4))]
+    torch.save({"logits": logits, "shadow": runtime.shadow_errors(), "counts": runtime.launch_counts(),
+                "problems": step.dispatchers[-1].coverage()["problems"], "fallbacks": runtime.eager_fallbacks(),
+                "table": step.dispatchers[-1].bound[4].table()}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
+    """TP 2 through gloo, kernels as float64 references: every node's binding (GEMV shards, all-gathers of
+    the router/latent rows, all-reduces in the o_proj and FFN tails, the model-level collectives) matches
+    the dialect op on each rank, both ranks produce the same logits, every planned kernel ran, and the
+    collectives were issued (the same code path NCCL takes on GPUs; the one-shot all-reduce kernel is the
+    multi-GPU issue's)."""
+    from cpu import run_gloo
+
+    run_gloo(_tp_runtime_worker, 2, mini_ckpt, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for a, b in zip(r0["logits"], r1["logits"]):
+        assert torch.equal(a, b), "ranks disagree on the logits"
+    for res in (r0, r1):
+        worst = max(res["shadow"], key=res["shadow"].get)
+        assert res["shadow"][worst] <= SHADOW_TOL, f"{worst}: {res['shadow'][worst]:.3g}"
+        assert res["problems"] == [] and res["fallbacks"] == {}
+        assert res["counts"]["collective:all_reduce"] > 0 and res["counts"]["collective:all_gather"] > 0
+        assert "Collective[tp_all_reduce]" in res["table"]
