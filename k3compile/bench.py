@@ -260,4 +260,74 @@ def main(args) -> int:
               log=lambda s: print(s, file=sys.stderr, flush=True), partial=save)
     save(res)
     print(table(res))
+    if args.png:
+        plot(res, args.png)
     return 0
+
+
+COLORS = {"eager": (214, 39, 40), "inductor": (255, 127, 14), "k3compile": (31, 119, 180)}
+
+
+def plot(result: dict, path: str, *, layers: int | None = None, context: int | None = None) -> None:
+    """PNG: µs per step against the batch (log-log), one line per system, the HBM floor dashed; for one
+    depth and context of the result (default: the deepest model, the first context)."""
+    import math
+
+    from .models.train import Canvas
+
+    rows = [r for r in result["rows"] if r["us_per_step"] == r["us_per_step"]]  # measured (not NaN) rows
+    if not rows:
+        raise ValueError("no measured rows to plot")
+    layers = layers or max(r["layers"] for r in rows)
+    context = context or rows[0]["context"]
+    rows = [r for r in rows if r["layers"] == layers and r["context"] == context]
+    buckets = sorted({r["bucket"] for r in rows})
+    series = {s: {r["bucket"]: r["us_per_step"] for r in rows if r["system"] == s}
+              for s in dict.fromkeys(r["system"] for r in rows)}
+    floor = {r["bucket"]: r["floor_us"] for r in rows}
+    values = [v for s in series.values() for v in s.values()] + list(floor.values())
+    lo, hi = math.log10(min(values)) - 0.1, math.log10(max(values)) + 0.1
+    W, H, L, T, B = 720, 420, 70, 60, 50
+    cv = Canvas(W, H)
+    black = (0, 0, 0)
+    cfg = rows[0]["config"]
+    cv.text(10, 8, f"{cfg} ({layers} LAYERS, TP{rows[0]['tp']}), CONTEXT {context}: US PER DECODE STEP", scale=2)
+    x_of = {b: L + int(i * (W - L - 30) / max(1, len(buckets) - 1)) for i, b in enumerate(buckets)}
+
+    def y_of(v: float) -> int:
+        return T + int((hi - math.log10(v)) / (hi - lo) * (H - T - B))
+
+    cv.rect(L, T, L + 1, H - B, black)
+    cv.rect(L, H - B, W - 20, H - B + 1, black)
+    for p in range(math.floor(lo), math.ceil(hi) + 1):
+        if lo <= p <= hi:
+            y = y_of(10 ** p)
+            cv.rect(L - 5, y, L, y + 1, black)
+            cv.text(8, y - 5, f"{10 ** p:g}", scale=2)
+    for b, x in x_of.items():
+        cv.rect(x, H - B, x + 1, H - B + 5, black)
+        cv.text(x - 4, H - B + 10, str(b), scale=2)
+    cv.text(W // 2 - 40, H - 18, "BATCH", scale=2)
+
+    def line(pts, color, dashed=False):
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            n = max(abs(x1 - x0), abs(y1 - y0), 1)
+            for i in range(n + 1):
+                if dashed and (i // 6) % 2:
+                    continue
+                x, y = x0 + (x1 - x0) * i // n, y0 + (y1 - y0) * i // n
+                cv.rect(x - 1, y - 1, x + 2, y + 2, color)
+
+    line([(x_of[b], y_of(floor[b])) for b in buckets], black, dashed=True)
+    lx = L + 10
+    for s, pts in series.items():
+        col = COLORS.get(s, (44, 160, 44))
+        line([(x_of[b], y_of(v)) for b, v in sorted(pts.items())], col)
+        for b, v in pts.items():
+            cv.rect(x_of[b] - 3, y_of(v) - 3, x_of[b] + 4, y_of(v) + 4, col)
+        cv.rect(lx, 34, lx + 14, 42, col)
+        cv.text(lx + 18, 34, s.upper(), scale=2)
+        lx += 18 + 8 * len(s) + 20
+    cv.text(lx, 34, "- - HBM FLOOR", scale=2)
+    with open(path, "wb") as fh:
+        fh.write(cv.png())

@@ -103,6 +103,17 @@ def cmd_bench(args) -> int:
     return main(args)
 
 
+def cmd_bench_plot(args) -> int:
+    import json
+
+    from .bench import plot
+
+    with open(args.json) as fh:
+        plot(json.load(fh), args.png, layers=args.layers, context=args.context)
+    print(f"wrote {args.png}")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from .verify import main
 
@@ -164,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--only", help="only kernels whose example label or name contains this")
     bk.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     bk.set_defaults(func=cmd_bench_kernels)
+    bp = sub.add_parser("bench-plot", help="plot a `k3compile bench` JSON (no GPU needed)")
+    bp.add_argument("json", help="bench JSON")
+    bp.add_argument("png", help="output PNG")
+    bp.add_argument("--layers", type=int, help="depth to plot (default: the deepest)")
+    bp.add_argument("--context", type=int, help="context to plot (default: the first)")
+    bp.set_defaults(func=cmd_bench_plot)
     be = sub.add_parser("bench", help="time the whole decode step: eager vs Inductor vs k3compile (GPU)",
                         description="One process, one GPU, the same model, state and tokens for every system: "
                                     "µs per step, kernel launches, the HBM floor (plan bytes / copy bandwidth "
@@ -183,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: eager, inductor, k3compile")
     be.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
     be.add_argument("--json", default="bench.json", help="where to write the results")
+    be.add_argument("--png", default="bench.png", help="plot: µs per step vs batch per system, floor dashed")
     be.set_defaults(func=cmd_bench)
     ve = sub.add_parser("verify", help="evidence that the compiled path is right and was taken (report)",
                         description="Coverage proof from the launch counters, kernel checks (GPU: float64 on "
