@@ -79,7 +79,7 @@ def cmd_codegen(args) -> int:
             check_tp(tp)
             cfg.check_tp(tp)
         cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch,
-                         max_context=args.max_context)
+                         max_context=args.max_context, batch_invariant=args.batch_invariant)
     manifest = write(cg, Path(args.out), compile=not args.no_compile, package=args.package, workers=args.jobs)
     print(summary(manifest))
     print(f"wrote {args.out}/manifest.json and {len(manifest['kernels'])} kernel sources"
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--no-compile", action="store_true", help="only render the sources and the manifest")
     cg.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
     cg.add_argument("--strict", action="store_true", help="fail when a plan launch has no kernel")
+    cg.add_argument("--batch-invariant", action="store_true",
+                    help="kernels for compile(..., options={'batch_invariant': True}): every bucket reduces a row in "
+                         "bucket 1's order (the MLA decode keeps bucket 1's context splits)")
     cg.add_argument("--examples", nargs="?", const="", default=None, metavar="PREFIXES",
                     help="instead of a plan: every template's example points (k3-mini and real K3 TP8-shard "
                          "shapes), optionally only labels starting with PREFIXES (e.g. mini_,k3tp8_b1)")
@@ -216,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--steps", type=int, default=1000, help="generated tokens per prompt (long generation)")
     ve.add_argument("--kernels", default=None, help="package:DIR, jit or reference (default: $K3_KERNEL_PACKAGE "
                                                     "on a GPU, reference on a CPU)")
+    ve.add_argument("--batch-invariant", action="store_true",
+                    help="compile with batch_invariant=True (the package must be built with --batch-invariant)")
     ve.add_argument("--disable", help="comma-separated ops/kernels forced onto eager (shows the proof failing)")
     ve.add_argument("--no-compile-check", action="store_true", help="skip compiling the kernels (and the audit)")
     ve.add_argument("--bench", action="store_true", help="GPU: add the k3compile bench rows")

@@ -213,6 +213,23 @@ class _Uncovered(Exception):
     pass
 
 
+def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> tuple[list, str]:
+    """(template, params) specs and a note for one dialect node at one (bucket, TP).
+
+    ``batch_invariant``: every bucket reduces each row in the same order as bucket 1. GEMV, expert,
+    residual, norm and KDA kernels already do (one row's reduction never depends on the other rows or on
+    the bucket's tiling); the MLA split-context decode picks fewer context splits for larger buckets, so
+    here it takes bucket 1's split count (more CTAs and workspace at large buckets, same sums)."""
+    specs, note = _LOWERING[dialect.op_name(node)](node, bucket, tp)
+    if batch_invariant:
+        from .templates.mla_decode import default_splits
+
+        for t, params in specs:
+            if t == "mla_decode":
+                params["splits"] = default_splits(1, params["lmax"], params.get("chunk_min", 256))
+    return specs, note
+
+
 def check_arch(arch: str) -> None:
     from .templates import TEMPLATES
 
@@ -244,6 +261,7 @@ class Codegen:
     params: dict[str, dict] = field(default_factory=dict)  # kernel name -> template params
     examples: dict[str, str] = field(default_factory=dict)  # kernel name -> "<template>:<label>" (examples mode)
     max_context: int = 0  # MLA cache capacity the kernels serve (plan mode)
+    batch_invariant: bool = False  # every bucket reduces a row in bucket 1's order (lower_node)
 
     def uncovered(self) -> list[Entry]:
         return [e for e in self.entries if e.uncovered]
@@ -253,7 +271,8 @@ class Codegen:
                  "node": e.node} for e in self.entries if name in e.kernels]
 
 
-def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int | None = None) -> Codegen:
+def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int | None = None,
+                batch_invariant: bool = False) -> Codegen:
     """Lower every layer at every (TP, bucket) and map each plan launch to template points.
 
     ``max_context`` (default: the config's maximum position count) is the MLA cache capacity the kernels
@@ -265,7 +284,8 @@ def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int 
     if max_context < 1 or max_context > config.max_position_embeddings:
         raise ValueError(f"max_context {max_context} must be in 1..{config.max_position_embeddings} (the "
                          f"config's max_position_embeddings)")
-    cg = Codegen(config.name, arch, tuple(tps), tuple(buckets), max_context=max_context)
+    cg = Codegen(config.name, arch, tuple(tps), tuple(buckets), max_context=max_context,
+                 batch_invariant=batch_invariant)
     for tp in tps:
         plans = plans_for(config, tp=tp, buckets=buckets, every_layer=True, max_context=max_context)
         for b, plan in plans.items():
@@ -277,7 +297,7 @@ def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int 
                 for node, las in groups.items():
                     es = [Entry(tp, b, lp.kind, lp.layer, la.name, la.op, la.node) for la in las]
                     cg.entries.extend(es)
-                    _map(cg, node, es, b, tp, arch)
+                    _map(cg, node, es, b, tp, arch, batch_invariant)
     return cg
 
 
@@ -300,7 +320,7 @@ def example_points(templates=None, labels=None, arch: str = "sm_90a") -> Codegen
     return cg
 
 
-def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str) -> None:
+def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_invariant: bool = False) -> None:
     op = es[0].op
     lower = _LOWERING.get(op)
     try:
@@ -308,7 +328,7 @@ def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str) -> None
             raise _Uncovered(f"no template for dialect op {op}" + (
                 " (a collective: the runtime issues it, NCCL or the one-shot all-reduce of the multi-GPU issue)"
                 if op in dialect.COLLECTIVE_OPS else ""))
-        specs, note = lower(node, b, tp)
+        specs, note = lower_node(node, b, tp, batch_invariant=batch_invariant)
         names = []
         for tname, params in specs:
             try:
@@ -417,7 +437,8 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, audits: dict, *, compil
              **({"uncovered": e.uncovered} if e.uncovered else {}), **({"note": e.note} if e.note else {})})
     unc = cg.uncovered()
     return {"manifest_version": MANIFEST_VERSION, "config": cg.config, "arch": cg.arch, "tp": list(cg.tps),
-            "buckets": list(cg.buckets), "max_context": cg.max_context, "versions": versions() if compiled else {}, "compiled": compiled,
+            "buckets": list(cg.buckets), "max_context": cg.max_context, "batch_invariant": cg.batch_invariant,
+            "versions": versions() if compiled else {}, "compiled": compiled,
             "packaged": packaged, "kernels": kernels, "plan": plan,
             "coverage": {"plan_launches": len(cg.entries), "covered": len(cg.entries) - len(unc),
                          "uncovered": sorted({f"{e.layer_kind}/{e.launch} ({e.op}): {e.uncovered}" for e in unc})}}

@@ -45,6 +45,7 @@ class Options:
     check_inputs: bool = True  # validate token ids and lengths before each step (synchronises)
     disable_kernels: tuple = ()  # dialect ops / kernel names forced onto their eager op (coverage tests)
     shadow: bool = False  # also run every dialect op eagerly on the same inputs: runtime.shadow_errors()
+    batch_invariant: bool = False  # every bucket reduces a row in bucket 1's order (codegen --batch-invariant)
 
     @classmethod
     def make(cls, options: "Options | dict | None" = None, **kw) -> "Options":
@@ -205,7 +206,8 @@ def _kernel_dispatcher(graphs, inputs, kernels: str, device, tp_size: int, optio
         if kernels == "jit":
             points = {}
             for b, g in graphs.items():
-                points.update(runtime.graph_points(g, bucket=b, tp=tp_size, arch=arch))
+                points.update(runtime.graph_points(g, bucket=b, tp=tp_size, arch=arch,
+                                                   batch_invariant=options.batch_invariant))
             from .build import cache_root
 
             source = runtime.jit_package(points, cache_root().parent / "jit" / arch)

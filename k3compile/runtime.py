@@ -464,7 +464,7 @@ class BoundGraph:
 
 
 def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource, arch: str, device,
-         disable: tuple = ()) -> BoundGraph:
+         disable: tuple = (), batch_invariant: bool = False) -> BoundGraph:
     """Rewrite a lowered graph so that every dialect node calls its kernels.
 
     ``disable``: dialect ops or kernel names forced to run eagerly (tests of the coverage proof).
@@ -491,7 +491,7 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
         if op not in _LOWERING:
             raise RuntimeError_(f"{node.name}: no kernel template for {op}; the runtime cannot run this graph on "
                                 f"kernels")
-        points, note = node_points(node, bucket=bucket, tp=tp, arch=arch)
+        points, note = node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant)
         if op in disable or any(p.name in disable for p in points):
             b = EagerOp(node, "disabled by the caller", [p.name for p in points])
         else:
@@ -508,28 +508,28 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
     return BoundGraph(gm, bucket, bindings, kernels)
 
 
-def node_points(node, *, bucket: int, tp: int, arch: str) -> tuple[list, str]:
+def node_points(node, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False) -> tuple[list, str]:
     """The template points (kernels) that implement one dialect node, in launch order, and a note."""
-    from .codegen import _LOWERING, _Uncovered
+    from .codegen import _Uncovered, lower_node
     from .templates import get as get_template
     from .templates.base import TemplateError
 
     op = dialect.op_name(node)
     try:
-        specs, note = _LOWERING[op](node, bucket, tp)
+        specs, note = lower_node(node, bucket, tp, batch_invariant=batch_invariant)
         return [get_template(t).point(arch=arch, **params) for t, params in specs], note
     except (_Uncovered, TemplateError) as e:
         raise RuntimeError_(f"{node.name} ({op}) at bucket {bucket}, TP {tp}: {e}") from None
 
 
-def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str) -> dict:
+def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False) -> dict:
     """Kernel name -> Point for every kernel a lowered graph needs (what ``kernels='jit'`` compiles)."""
     from .codegen import _LOWERING
 
     out = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and dialect.is_k3(node) and dialect.op_name(node) in _LOWERING:
-            for p in node_points(node, bucket=bucket, tp=tp, arch=arch)[0]:
+            for p in node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant)[0]:
                 out[p.name] = p
     return out
 
@@ -588,7 +588,8 @@ class KernelDispatcher:
         self.device = torch.device(device)
         self.source = source
         disable = tuple(options.disable_kernels)
-        self.bound = {b: bind(gm, bucket=b, tp=tp, source=source, arch=arch, device=self.device, disable=disable)
+        self.bound = {b: bind(gm, bucket=b, tp=tp, source=source, arch=arch, device=self.device, disable=disable,
+                              batch_invariant=options.batch_invariant)
                       for b, gm in graphs.items()}
         self.token_index = next(i for i, info in enumerate(inputs) if info.kind == "token_ids")
         self.sym_index = [i for i, info in enumerate(inputs) if info.kind == "symint"]

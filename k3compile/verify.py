@@ -55,6 +55,9 @@ class Check:
         self.details.append(why)
 
 
+_OPTIONS: dict = {}  # options every compile of this verify run shares (batch_invariant)
+
+
 def _compile(model, buckets, **options):
     """A fresh compile of ``model.decode``. Dynamo is reset first: on torch 2.11, recompiling the same
     ``decode`` for states of other capacities in one process can mark the capacity dynamic and then fail to
@@ -62,7 +65,7 @@ def _compile(model, buckets, **options):
     import k3compile
 
     torch._dynamo.reset()
-    return k3compile.compile(model, buckets=buckets, options=options)
+    return k3compile.compile(model, buckets=buckets, options={**_OPTIONS, **options})
 
 
 def _model(checkpoint: str | None, device: str):
@@ -80,7 +83,8 @@ def _model(checkpoint: str | None, device: str):
 
 
 def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, kernels: str | None = None,
-           disable: tuple = (), compile_check: bool = True, bench: bool = False, log=print) -> dict:
+           disable: tuple = (), compile_check: bool = True, bench: bool = False, batch_invariant: bool = False,
+           log=print) -> dict:
 
     gpu = torch.cuda.is_available() and kernels not in ("reference",)
     device = "cuda" if gpu else "cpu"
@@ -89,6 +93,8 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
         pkg = os.environ.get("K3_KERNEL_PACKAGE")
         kernels = f"package:{pkg}" if pkg else "jit"
     model, ckpt = _model(checkpoint, device)
+    _OPTIONS.clear()
+    _OPTIONS["batch_invariant"] = batch_invariant
     cap = _capacity(kernels, steps)
     buckets = tuple(sorted(buckets))
     t0 = time.time()
@@ -186,7 +192,8 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     checks.append(perf)
     ok = all(ch.status != "fail" for ch in checks)
     return {"verdict": "VERIFIED" if ok else "FAILED", "ok": ok, "checkpoint": ckpt, "device": device,
-            "kernels": kernels, "buckets": list(buckets), "steps": steps, "seconds": round(time.time() - t0, 1),
+            "kernels": kernels, "buckets": list(buckets), "steps": steps, "batch_invariant": batch_invariant,
+            "seconds": round(time.time() - t0, 1),
             "thresholds": {"shadow": SHADOW_TOL, "top1_min": TOP1_MIN, "p50_max": P50_MAX,
                            "cross_bucket": CROSS_BUCKET_TOL},
             "checks": [ch.__dict__ for ch in checks]}
@@ -380,7 +387,7 @@ def main(args) -> int:
 
     res = verify(checkpoint=args.checkpoint, buckets=args.buckets, steps=args.steps, kernels=args.kernels,
                  disable=tuple(args.disable.split(",")) if args.disable else (),
-                 compile_check=not args.no_compile_check, bench=args.bench,
+                 compile_check=not args.no_compile_check, bench=args.bench, batch_invariant=args.batch_invariant,
                  log=lambda s: print(s, file=sys.stderr, flush=True))
     md = markdown(res)
     print(md)

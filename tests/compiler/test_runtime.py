@@ -189,3 +189,22 @@ def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
         assert res["problems"] == [] and res["fallbacks"] == {}
         assert res["counts"]["collective:all_reduce"] > 0 and res["counts"]["collective:all_gather"] > 0
         assert "Collective[tp_all_reduce]" in res["table"]
+
+
+def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
+    """Without the option the MLA decode of bucket 64 uses fewer context splits than bucket 1 (a different
+    summation order past 1,280 positions); with it every bucket uses bucket 1's. Every other kernel's
+    per-row reduction never depends on the bucket (one row's dot products and norms are computed the same
+    way whatever the other rows)."""
+    def mla_splits(**options):
+        step = _compile(mini_model, (1, 64), **options)
+        with one_thread():
+            step(torch.tensor([1]), mini_model.new_state(64, 2048))
+        d = step.dispatchers[-1]
+        return {b: {k.point.c["NSPLIT"] for k in d.bound[b].kernels.values() if k.point.template.name == "mla_decode"}
+                for b in (1, 64)}
+
+    plain = mla_splits()
+    assert plain[1] != plain[64]
+    inv = mla_splits(batch_invariant=True)
+    assert inv[1] == inv[64] == plain[1]
