@@ -107,10 +107,9 @@ def lower(gm: torch.fx.GraphModule, inputs: list[InputInfo], *, tp_size: int, bu
 
 
 class BucketDispatcher:
-    """What the backend hands back to Dynamo: picks the lowered graph of the batch's bucket.
-
-    Until the GPU runtime exists, the lowered graph runs through the dialect's eager implementations;
-    the runtime replaces them with kernel launches.
+    """What the backend hands back to Dynamo with ``kernels="eager"`` (the CPU default): picks the lowered
+    graph of the batch's bucket and runs it through the dialect's eager implementations (bit-identical to
+    the eager model). With kernels, :class:`k3compile.runtime.KernelDispatcher` takes its place.
     """
 
     def __init__(self, graphs: dict[int, torch.fx.GraphModule], token_index: int, options: Options,
