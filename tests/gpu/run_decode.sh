@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The compiled decode step on the H200: tests/gpu/test_decode_gpu.py, then `k3compile bench` on k3-mini.
+# The compiled decode step on the H200: tests/gpu/test_decode_gpu.py and `k3compile verify` on the trained
+# k3-mini, then `k3compile bench` on a random k3-mini (13 layers).
 #
-#   here:   k3compile codegen --config k3_mini --tp 1 --package -o .gpu/mini     (any CPU machine)
-#   there:  bash tests/gpu/run_decode.sh .gpu/mini            (STAGES="tests verify bench" by default)
-#
-# The package must be built for the checkpoint the tests load: the trained checkpoints/k3_mini_text when it
-# is in the checkout (codegen --config checkpoints/k3_mini_text/config.json), else a random k3-mini.
+#   here (any CPU machine):
+#     k3compile codegen --config checkpoints/k3_mini_text/config.json --tp 1 --max-context 4096 --package -o .gpu/text
+#     k3compile codegen --config k3_mini --tp 1 --package -o .gpu/mini                  # for the bench stage
+#   there:
+#     bash tests/gpu/run_decode.sh .gpu/text [.gpu/mini]      (STAGES="tests verify bench" by default)
 set -uo pipefail
-PKG=${1:-.gpu/mini}
-source tests/gpu/setup.sh "$PKG"
+PKG=${1:-.gpu/text}
+BENCH_PKG=${2:-.gpu/mini}
+if [[ " ${STAGES:-tests verify bench} " == *" bench "* ]]; then
+    source tests/gpu/setup.sh "$PKG" "$BENCH_PKG"
+else
+    source tests/gpu/setup.sh "$PKG"
+fi
 export K3_DECODE_PACKAGE="$PKG"
 status=0
 if [[ " ${STAGES:-tests verify bench} " == *" tests "* ]]; then
@@ -21,7 +27,7 @@ if [[ " ${STAGES:-tests verify bench} " == *" verify "* ]]; then
         | grep -v "^DEBUG" | tail -n 30 || status=1
 fi
 if [[ " ${STAGES:-tests verify bench} " == *" bench "* ]]; then
-    timeout "${BENCH_TIMEOUT:-400}" python3 -m k3compile.cli bench --config k3_mini --package "$PKG" \
-        --json "$OUT/bench_mini.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_mini.log" | tail -n 40 || status=1
+    timeout "${BENCH_TIMEOUT:-400}" python3 -m k3compile.cli bench --config k3_mini --package "$BENCH_PKG" \
+        --json "$OUT/bench_mini.json" --png "$OUT/bench_mini.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_mini.log" | tail -n 40 || status=1
 fi
 exit $status
