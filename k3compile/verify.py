@@ -85,7 +85,7 @@ def _model(checkpoint: str | None, device: str):
 def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, kernels: str | None = None,
            disable: tuple = (), compile_check: bool = True, bench: bool = False, batch_invariant: bool = False,
            log=print) -> dict:
-
+    """Run every check; returns the report (``markdown(report)`` renders it). See the module docstring."""
     gpu = torch.cuda.is_available() and kernels not in ("reference",)
     device = "cuda" if gpu else "cpu"
     kernels = kernels or ("reference" if not gpu else None)
