@@ -20,12 +20,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _package_dir(var: str, build: str) -> str:
+    """The package directory named by the environment variable ``var``; a GPU run without it fails (a run
+    that checked nothing must not look green)."""
+    path = os.environ.get(var)
+    if not path:
+        pytest.fail(f"{var} is not set: build a package on a CPU machine with `{build}` and point {var} at it")
+    return path
+
+
 @pytest.fixture(scope="session")
 def kernel_package():
     from k3compile.package import KernelPackage
 
-    path = os.environ.get("K3_KERNEL_PACKAGE")
-    if not path:
-        pytest.fail("K3_KERNEL_PACKAGE is not set: build a package on a CPU machine with `k3compile codegen "
-                    "--examples --package -o DIR` and point K3_KERNEL_PACKAGE at it")
-    return KernelPackage(path)
+    return KernelPackage(_package_dir("K3_KERNEL_PACKAGE", "k3compile codegen --examples --package -o DIR"))
+
+
+@pytest.fixture(scope="session")
+def decode_package() -> tuple[str, int]:
+    """(directory, MLA cache capacity) of the package the decode tests compile the trained k3-mini with."""
+    import json
+
+    path = _package_dir("K3_DECODE_PACKAGE", "k3compile codegen --config checkpoints/k3_mini_text/config.json "
+                                             "--tp 1 --max-context 4096 --package -o DIR")
+    with open(os.path.join(path, "manifest.json")) as fh:
+        return path, json.load(fh)["max_context"]

@@ -15,7 +15,6 @@ DIR``); the states are allocated at the package's capacity (``max_context`` of i
   compiled tokens must follow float64's at least as long as eager bf16's do.
 """
 
-import json
 import os
 
 import pytest
@@ -27,16 +26,6 @@ from k3compile import runtime
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 SHADOW_TOL = 2e-2
-
-
-@pytest.fixture(scope="module")
-def package():
-    path = os.environ.get("K3_DECODE_PACKAGE")
-    if not path:
-        pytest.fail("K3_DECODE_PACKAGE is not set: build one with `k3compile codegen --config k3_mini --tp 1 "
-                    "--package -o DIR` on a CPU machine")
-    with open(os.path.join(path, "manifest.json")) as fh:
-        return path, json.load(fh)["max_context"]
 
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "k3_mini_text")
@@ -64,10 +53,10 @@ def _compile(model, package, buckets, **options):
 
 
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (8, 8), (64, 64)])
-def test_kernels_match_eager_ops_per_node_and_cover_the_plan(model, package, batch, bucket):
+def test_kernels_match_eager_ops_per_node_and_cover_the_plan(model, decode_package, batch, bucket):
     runtime.reset_launch_counts()
-    step = _compile(model, package, (bucket,), shadow=True)
-    state = model.new_state(bucket, package[1])
+    step = _compile(model, decode_package, (bucket,), shadow=True)
+    state = model.new_state(bucket, decode_package[1])
     g = torch.Generator(device="cuda").manual_seed(batch)
     before = [t.clone() for t in state.tensors()]
     for _ in range(4):
@@ -84,10 +73,10 @@ def test_kernels_match_eager_ops_per_node_and_cover_the_plan(model, package, bat
     assert runtime.eager_fallbacks() == {}
 
 
-def test_graph_replay_after_inputs_state_and_batch_changed(model, package):
-    graphs = _compile(model, package, (1, 4, 8))
-    plain = _compile(model, package, (1, 4, 8), cuda_graphs=False)
-    cap = package[1]
+def test_graph_replay_after_inputs_state_and_batch_changed(model, decode_package):
+    graphs = _compile(model, decode_package, (1, 4, 8))
+    plain = _compile(model, decode_package, (1, 4, 8), cuda_graphs=False)
+    cap = decode_package[1]
     sa, sb = model.new_state(8, cap), model.new_state(8, cap)
     g = torch.Generator(device="cuda").manual_seed(7)
     for i, batch in enumerate([1, 1, 1, 3, 8, 3, 3, 1, 8, 8, 2, 4, 1]):
@@ -104,7 +93,7 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 64])
-def test_long_decode_as_accurate_as_eager(model, checkpoint, package, batch):
+def test_long_decode_as_accurate_as_eager(model, checkpoint, decode_package, batch):
     """256 steps against the float64 model (the exact math), teacher-forced on its greedy tokens: the
     compiled step's logit error must be no worse than the eager bf16 model's (median within 1.5x) and its
     top-1 agreement with float64 no lower than eager's minus 5 points. A random-weight k3-mini is chaotic
@@ -114,8 +103,8 @@ def test_long_decode_as_accurate_as_eager(model, checkpoint, package, batch):
 
     exact = load_pretrained(checkpoint, device="cuda", dtype=torch.float64)
     bucket = {1: 1, 3: 4, 8: 8, 64: 64}[batch]
-    step = _compile(model, package, (bucket,))
-    cap = package[1]
+    step = _compile(model, decode_package, (bucket,))
+    cap = decode_package[1]
     s64, sbf, sk3 = exact.new_state(bucket, cap), model.new_state(bucket, cap), model.new_state(bucket, cap)
     ids = torch.arange(batch, device="cuda") % model.config.vocab_size
     e_k3, e_eager, a_k3, a_eager = [], [], [], []
@@ -137,7 +126,7 @@ def test_long_decode_as_accurate_as_eager(model, checkpoint, package, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_greedy_generation_tracks_the_exact_model_as_long_as_eager(model, checkpoint, package, batch):
+def test_greedy_generation_tracks_the_exact_model_as_long_as_eager(model, checkpoint, decode_package, batch):
     """Free-running greedy decoding, 128 steps, each system on its own tokens: float64 (exact), eager bf16
     and k3compile. The first step where k3compile's tokens leave float64's must come no earlier than where
     eager bf16's do (and k3compile vs eager is reported). On the trained byte model greedy text reaches
@@ -147,8 +136,8 @@ def test_greedy_generation_tracks_the_exact_model_as_long_as_eager(model, checkp
     from k3compile.models import load_pretrained
 
     exact = load_pretrained(checkpoint, device="cuda", dtype=torch.float64)
-    step = _compile(model, package, (batch,))
-    cap = package[1]
+    step = _compile(model, decode_package, (batch,))
+    cap = decode_package[1]
     states = [exact.new_state(batch, cap), model.new_state(batch, cap), model.new_state(batch, cap)]
     fns = [exact.decode, model.decode, step]
     toks = [torch.arange(1, batch + 1, device="cuda") * 7 % model.config.vocab_size] * 3
