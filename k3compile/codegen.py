@@ -112,9 +112,10 @@ def _lower_situ_linear(node, b, tp):
                   linear_beta=float(_arg(node, "linear_beta")))], ""
 
 
-def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps):
+def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps, tp=1):
+    """A residual_attn_res kernel; ``tp`` > 1: it all-reduces its added input ``a`` itself (one-shot)."""
     return ("residual_attn_res", dict(bucket=b, d=d, nb=nb, add=add, has_prefix=has_prefix, out_norm=out_norm,
-                                      eps=eps, out_eps=out_eps))
+                                      eps=eps, out_eps=out_eps, tp=tp))
 
 
 def _nb(blocks) -> int:
@@ -137,35 +138,40 @@ def _lower_attn_res_rms_norm(node, b, tp):
                       eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))], ""
 
 
+_FUSED_AR = ("the all-reduce runs inside the residual kernel (one-shot over peer buffers; the identity in "
+             "single-GPU emulation)")
+
+
 def _lower_oproj_residual_norm(node, b, tp):
     w, blocks = _arg(node, "weight"), _arg(node, "blocks")
     n, k = _shape(w)
     res = _residual(b, n, _nb(blocks), add=True, has_prefix=_arg(node, "prefix") is not None, out_norm=True,
-                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))
+                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")), tp=tp)
     note = "two kernels until the GEMV epilogue runs the residual/AttnRes/RMSNorm row step itself"
     if tp > 1:
-        note += "; the all-reduce between them is the identity in single-GPU emulation"
+        note += "; " + _FUSED_AR
     return [_gemv(b, n, k), res], note
 
 
-def _ffn_out(node, b):
-    """Kernels that leave ``s = all_reduce(partial) [+ up(rms_norm(all_reduce(latent_partial)))]`` in the
-    row the next kernel adds to the prefix; returns (kernels, what provides s)."""
+def _ffn_out(node, b, tp):
+    """Kernels before the final residual when the FFN output is ``all_reduce(partial) +
+    up(rms_norm(all_reduce(latent_partial)))`` (none without a latent part): the up-projection and the add
+    kernel, which all-reduces ``partial`` itself; returns (kernels, TP of the final residual kernel)."""
     if _arg(node, "latent_partial") is None:
-        return [], "partial"
+        return [], tp
     up = _arg(node, "up_weight")
     n, k = _shape(up)
     r = _gemv(b, n, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")))
-    add = _residual(b, n, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6)  # partial + r
-    return [r, add], "sum"
+    add = _residual(b, n, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6, tp=tp)  # r + sum
+    return [r, add], 1
 
 
 def _lower_ffn_tail_norm(node, b, tp):
     blocks = _arg(node, "blocks")
-    pre, _ = _ffn_out(node, b)
+    pre, res_tp = _ffn_out(node, b, tp)
     res = _residual(b, _shape(blocks)[-1], _nb(blocks), add=True, has_prefix=True, out_norm=True,
-                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")))
-    note = "all-reduces are the identity at TP 1 / in single-GPU emulation" if tp > 1 else ""
+                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")), tp=res_tp)
+    note = _FUSED_AR + "; the latent all-reduce before the up-projection is NCCL" if tp > 1 else ""
     if pre:
         note = ("three kernels until the GEMV epilogue adds both partial sums itself: up-projection (RMSNorm "
                 "prologue), partial + up, prefix + sum with AttnRes + RMSNorm" + (f"; {note}" if note else ""))
@@ -173,9 +179,9 @@ def _lower_ffn_tail_norm(node, b, tp):
 
 
 def _lower_ffn_tail(node, b, tp):
-    pre, _ = _ffn_out(node, b)
+    pre, res_tp = _ffn_out(node, b, tp)
     d = _shape(_arg(node, "prefix"))[-1]
-    res = _residual(b, d, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6)  # prefix + s
+    res = _residual(b, d, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6, tp=res_tp)
     return pre + [res], "the last layer's tail: new prefix only (the output AttnRes reads it)"
 
 

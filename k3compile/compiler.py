@@ -46,6 +46,9 @@ class Options:
     disable_kernels: tuple = ()  # dialect ops / kernel names forced onto their eager op (coverage tests)
     shadow: bool = False  # also run every dialect op eagerly on the same inputs: runtime.shadow_errors()
     batch_invariant: bool = False  # every bucket reduces a row in bucket 1's order (codegen --batch-invariant)
+    # TP > 1 on real ranks: the residual kernels all-reduce in-kernel (one-shot over symmetric memory) when
+    # one rank's message is at most this many bytes; above it (or with 0) NCCL all-reduces before them
+    oneshot_max_bytes: int = 1 << 20
 
     @classmethod
     def make(cls, options: "Options | dict | None" = None, **kw) -> "Options":

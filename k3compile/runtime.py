@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from . import dialect
+from . import comm, dialect
 
 log = logging.getLogger("k3compile")
 
@@ -169,7 +169,7 @@ def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
                             f"{a.torch_dtype}{list(a.shape)} (a binding bug: please report it)")
     if t.is_contiguous() and t.data_ptr() % a.align == 0:
         return t
-    if a.role == "state":  # written in place: a copy would lose the update
+    if a.role in ("state", "comm"):  # written in place / shared with peers: a copy would lose the point
         raise RuntimeError_(f"{kernel}: state argument {a.name} is not a compact, {a.align}-byte aligned view of "
                             f"the decode state; allocate the state with model.new_state(...)")
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -233,6 +233,7 @@ class Binding:
         self.note = note
         self._weights: dict = {}  # front_gemm: concatenated weights, keyed by the source tensors
         self.shadow = False  # also run the eager op and record the error (KernelDispatcher(shadow=True))
+        self.oneshot_max_bytes = comm.ONESHOT_MAX_BYTES  # Options.oneshot_max_bytes
         self.__name__ = f"k3_{self.op}"
 
     def __repr__(self) -> str:
@@ -302,30 +303,39 @@ class Binding:
     def _attn_res_rms_norm(self, a, k):
         return k(prefix=a["prefix"], out_norm_weight=a["out_norm_weight"], **self._blocks(a))["y"]
 
-    def _residual(self, k, a, new, prefix):
+    def _summed(self, k, x: torch.Tensor, group: str) -> dict:
+        """Arguments that make residual kernel ``k`` add ``x`` summed over the TP ranks: the kernel's own
+        one-shot all-reduce when it has one (TP > 1, :mod:`k3compile.comm`), else ``x`` as it is (TP 1, or
+        an FFN sum that the add kernel before already all-reduced)."""
+        if k.point.c["TP"] == 1:
+            return {"a": x}
+        return comm.wire(k.point, x, group, self.tp, oneshot_max_bytes=self.oneshot_max_bytes, count=_count)
+
+    def _residual(self, k, a, partial, prefix):
         blocks = self._blocks(a) if k.point.c["NB"] else {}
-        o = k(a=new, prefix=prefix, out_norm_weight=a.get("out_norm_weight"), **blocks)
+        o = k(prefix=prefix, out_norm_weight=a.get("out_norm_weight"), **self._summed(k, partial, a["group"]),
+              **blocks)
         return o["y"], o["new_prefix"]
 
     def _oproj_residual_norm(self, a, g, res):
-        y = _reduce(_single(g(w=a["weight"], x=a["y"])), a["group"], self.tp)
-        return self._residual(res, a, y, a["prefix"])
+        return self._residual(res, a, _single(g(w=a["weight"], x=a["y"])), a["prefix"])
 
     def _ffn_sum(self, a, kernels):
-        """The FFN output s (the kernels before the final residual)."""
-        partial = _reduce(a["partial"], a["group"], self.tp)
+        """(kernel that adds the FFN output to the prefix, its unreduced input): the routed partial itself,
+        or with a latent up-projection ``r + all_reduce(partial)`` from the add kernel (which all-reduces)."""
         if a["latent_partial"] is None:
-            return partial
+            return a["partial"]
         up, add = kernels
         latent = _reduce(a["latent_partial"], a["group"], self.tp)
         r = _single(up(w=a["up_weight"], x=latent, norm_weight=a["latent_norm_weight"]))
-        return add(a=partial, prefix=r)["new_prefix"]  # r + partial, as eager adds them
+        return add(prefix=r, **self._summed(add, a["partial"], a["group"]))["new_prefix"]  # r + sum, as eager
 
     def _ffn_tail_norm(self, a, *ks):
         return self._residual(ks[-1], a, self._ffn_sum(a, ks[:-1]), a["prefix"])
 
     def _ffn_tail(self, a, *ks):
-        return ks[-1](a=self._ffn_sum(a, ks[:-1]), prefix=a["prefix"])["new_prefix"]
+        return ks[-1](prefix=a["prefix"], **self._summed(ks[-1], self._ffn_sum(a, ks[:-1]),
+                                                          a["group"]))["new_prefix"]
 
     # -- experts and attention ---------------------------------------------------------------------
     def _routed_experts(self, a, gate_up, down):
@@ -607,6 +617,7 @@ class KernelDispatcher:
         for bg in self.bound.values():
             for b in bg.bindings:
                 b.shadow = self.shadow
+                b.oneshot_max_bytes = options.oneshot_max_bytes
         self.use_graphs = bool(options.cuda_graphs) and self.device.type == "cuda" and not self.shadow
         self.calls: dict[int, int] = {b: 0 for b in self.buckets}
         self._graphs: dict = {}  # (bucket, state pointers) -> (CUDAGraph, static tokens, outputs, launches)

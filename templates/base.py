@@ -33,7 +33,9 @@ import torch
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 BEGIN, END = "# >>> constants", "# <<< constants"
-ROLES = ("weight", "act", "state", "out", "scratch")
+ROLES = ("weight", "act", "state", "out", "scratch", "comm")
+# comm: a communication buffer or flag pad the runtime owns (symmetric memory shared with the peer ranks);
+# passed as it is (never copied) and possibly written in place, like state.
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "u8": torch.uint8, "i32": torch.int32,
           "i64": torch.int64}
 
@@ -159,7 +161,8 @@ class Template:
 
     def bytes(self, c: dict) -> int:
         """Bytes that must move: every argument read once, every output written once."""
-        return sum(a.nbytes * (2 if a.role == "state" else 1) for a in self.args(c) if a.role != "scratch")
+        return sum(a.nbytes * (2 if a.role == "state" else 1) for a in self.args(c)
+                   if a.role not in ("scratch", "comm"))
 
     # -- provided -----------------------------------------------------------------------------------
     def point(self, arch: str = "sm_90a", **params) -> Point:

@@ -11,6 +11,17 @@ Per token row: ``new_prefix = prefix + a`` (ADD), ``out = attn_res(new_prefix, b
 * ``k3::add_rms_norm`` as nb=0, add=True, out_norm=True: AttnRes over the prefix alone returns it exactly
   (softmax of one source is 1), so ``y = rms_norm(prefix + a)`` and ``new_prefix = prefix + a``.
 
+TP > 1 (``tp``) fuses the one-shot all-reduce of ``a`` into the same kernel (the o_proj / FFN partial sums
+of the ranks): each CTA copies its row of ``a`` into this rank's symmetric buffer ``comm``, raises its
+epoch flag in ``signal`` (release, system scope), waits until every rank's flag (``peer_signal<p>``) has
+reached that epoch, sums the row over ``peer0 .. peer<TP-1>`` (rank order, fp32, rounded to bf16 as the
+bf16 all-reduce result is: every rank gets bit-identical sums) and goes on as above. A second flag
+channel, raised after the peer reads and waited for at the end, keeps a rank from overwriting its buffer
+while a peer still reads it. The flags are monotonic epoch counters (never reset), so CUDA graph replays
+need no reset and a stale flag cannot pass a wait. ``peer<rank>`` is ``comm`` itself. With every peer flag
+pointing at this rank's own pad and the other peers a zero buffer, the same kernel is the identity
+(single-GPU emulation, or after an NCCL all-reduce when one-shot loses): see ``k3compile.comm``.
+
 ``proj_weight`` is taken as a flat [D] vector (the checkpoint's [1, D] viewed flat). With nb=0 the AttnRes
 weights are not arguments (nothing reads them).
 """
@@ -24,6 +35,7 @@ from .base import Arg, Template, const, need
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_NB = 16
 MAX_THREADS = 512
+TPS = (1, 2, 4, 8, 16)
 
 
 class ResidualAttnRes(Template):
@@ -32,7 +44,7 @@ class ResidualAttnRes(Template):
     doc = "[residual add +] AttnRes read over sealed blocks [+ RMSNorm], one CTA per row, 128-bit loads"
 
     def constants(self, *, bucket: int, d: int, nb: int, add: bool = True, has_prefix: bool = True,
-                  out_norm: bool = True, eps: float = 1e-5, out_eps: float = 1e-5) -> list:
+                  out_norm: bool = True, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1) -> list:
         need(bucket in BUCKETS, f"residual_attn_res: bucket {bucket} is not one of {BUCKETS}; pad the batch to "
                                 f"the next bucket")
         need(isinstance(d, int) and d > 0 and d % 256 == 0,
@@ -43,6 +55,8 @@ class ResidualAttnRes(Template):
              f"only after checking registers (2*(nb+1) fp32 statistics per thread) or use the eager op")
         need(add or has_prefix, "residual_attn_res: add=False and has_prefix=False leaves no input row; pass "
                                 "has_prefix=True (attn_res reads a prefix) or add=True")
+        need(tp in TPS, f"residual_attn_res: tp={tp} is not one of {TPS}")
+        need(tp == 1 or add, "residual_attn_res: tp > 1 all-reduces the added input a; pass add=True")
         need(eps > 0 and out_eps > 0, f"residual_attn_res: eps={eps} and out_eps={out_eps} must be > 0 "
                                       f"(take them from the model config)")
         threads = min(MAX_THREADS, d // 8)
@@ -56,7 +70,8 @@ class ResidualAttnRes(Template):
                 const("OUT_NORM", bool(out_norm), "y = RMSNorm(out) (else y = out)"),
                 const("EPS", float(eps), "AttnRes key-norm epsilon"),
                 const("OUT_EPS", float(out_eps), "output RMSNorm epsilon"),
-                const("THREADS", threads, "threads per CTA (one row per CTA)")]
+                const("THREADS", threads, "threads per CTA (one row per CTA)"),
+                const("TP", tp, "ranks whose a rows are summed in-kernel (one-shot all-reduce; 1: a as is)")]
 
     def examples(self):
         ex = {}
@@ -70,6 +85,10 @@ class ResidualAttnRes(Template):
         ex["k3tp8_attnresnorm_b1"] = {"bucket": 1, "d": 7168, "nb": 8, "add": False, "out_norm": True}
         ex["k3tp8_nb16_b8"] = {"bucket": 8, "d": 7168, "nb": 16}
         ex["k3tp8_addnorm_b64"] = {"bucket": 64, "d": 7168, "nb": 0}
+        ex["mini_tp2_b4"] = {"bucket": 4, "d": 256, "nb": 2, "tp": 2}
+        ex["mini_tp4_noprefix_b1"] = {"bucket": 1, "d": 256, "nb": 1, "has_prefix": False, "tp": 4}
+        ex["k3tp8_tp8_b8"] = {"bucket": 8, "d": 7168, "nb": 4, "tp": 8}
+        ex["k3tp8_tp8_sum_b64"] = {"bucket": 64, "d": 7168, "nb": 0, "out_norm": False, "tp": 8}
         return ex
 
     def args(self, c):
@@ -87,12 +106,12 @@ class ResidualAttnRes(Template):
         out.append(Arg("y", "bf16", (m, d), "out"))
         if c["ADD"]:
             out.append(Arg("new_prefix", "bf16", (m, d), "out"))
-        return out
+        return out + comm_args(c["TP"], m, d)
 
     def random_inputs(self, c, gen):
         m, d, nb = c["M"], c["D"], c["NB"]
         bf = torch.bfloat16
-        x = {}
+        x = comm_inputs(c["TP"], m, d, gen)
         if c["ADD"]:
             x["a"] = (0.5 * torch.randn(m, d, generator=gen)).to(bf)
         if c["HAS_PREFIX"]:
@@ -125,12 +144,15 @@ class ResidualAttnRes(Template):
         def bf16(t):
             return t.to(torch.bfloat16).double()
 
+        res = {}
         if c["ADD"]:
             a = inputs["a"].double()
+            if c["TP"] > 1:
+                res.update(comm_reference(c["TP"], inputs))
+                a = bf16(sum(inputs[f"peer{p}"].double() for p in range(c["TP"])))
             new_prefix = bf16(inputs["prefix"].double() + a) if c["HAS_PREFIX"] else a
         else:
             new_prefix = inputs["prefix"].double()
-        res = {}
         if c["ADD"]:
             res["new_prefix"] = new_prefix
         if c["NB"] > 0:
@@ -156,3 +178,37 @@ class ResidualAttnRes(Template):
         if c["OUT_NORM"]:
             f += m * d * 4
         return f
+
+
+# --------------------------------------------------------------------------- the fused one-shot all-reduce
+def comm_args(tp: int, m: int, d: int) -> list:
+    """Arguments of the in-kernel all-reduce of an [m, d] bf16 row block over ``tp`` ranks (none at TP 1):
+    this rank's symmetric buffer, its flag pad [2 channels, m rows] of int32 epoch counters, then every
+    rank's buffer and every rank's pad in rank order (this rank's among them)."""
+    if tp == 1:
+        return []
+    return ([Arg("comm", "bf16", (m, d), "comm"), Arg("signal", "i32", (2, m), "comm")]
+            + [Arg(f"peer{p}", "bf16", (m, d), "comm") for p in range(tp)]
+            + [Arg(f"peer_signal{p}", "i32", (2, m), "comm") for p in range(tp)])
+
+
+PEERS_AHEAD = 1 << 20  # in the single-kernel check, the peers' flags have long passed every epoch
+
+
+def comm_inputs(tp: int, m: int, d: int, gen: torch.Generator) -> dict:
+    """Inputs for a single-GPU check of the in-kernel all-reduce: random peer rows, this rank's flags at a
+    random epoch, the peers' flags far ahead (so no wait blocks; the multi-GPU tests run the real exchange)."""
+    if tp == 1:
+        return {}
+    x = {"comm": torch.randn(m, d, generator=gen).to(torch.bfloat16),
+         "signal": torch.randint(0, 1000, (2, m), generator=gen, dtype=torch.int32)}
+    for p in range(tp):
+        x[f"peer{p}"] = (0.5 * torch.randn(m, d, generator=gen)).to(torch.bfloat16)
+        x[f"peer_signal{p}"] = torch.full((2, m), PEERS_AHEAD, dtype=torch.int32)
+    return x
+
+
+def comm_reference(tp: int, inputs: dict) -> dict:
+    """What the all-reduce leaves in this rank's comm arguments: its buffer holds its a rows; each flag
+    channel of each row advanced by one epoch."""
+    return {"comm": inputs["a"].double(), "signal": inputs["signal"] + 1}

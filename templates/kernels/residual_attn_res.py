@@ -19,6 +19,15 @@ gives every thread all logits, so each thread computes the softmax itself. Pass 
 (L1/L2 resident: a row is at most 14 KB) and mixes them; with OUT_NORM the mixed row stays in registers for
 one more block reduction (its sum of squares) and the normalised store.
 
+TP > 1: step 1 first all-reduces ``a`` in-kernel (one-shot, peer loads over NVLink, no multicast). Each
+CTA copies its row of ``a`` into this rank's symmetric buffer ``comm``; thread 0 raises the row's channel-0
+epoch flag (``fence.acq_rel.sys`` + ``atom.add.release.sys``) and spins (``ld.acquire.sys``) until every
+rank's channel-0 flag has reached the same epoch; the CTA then sums the row over the ranks' buffers in rank
+order (so every rank gets bit-identical sums). After those reads thread 0 raises channel 1, and before the
+kernel ends it waits for every rank's channel 1: no rank overwrites its buffer (next call) while a peer
+still reads it. Epoch counters only grow, so replays of a CUDA graph need no reset and a stale flag never
+passes a wait (comparisons are on the wrapped int32 difference).
+
 Static weights (norm_w * proj_w, out_w) are loaded before ``griddepcontrol_wait``; activations after it.
 ``__call__`` takes the tensors in the order of the template's ``args()`` (absent ones are not passed) and
 hands the kernel a fixed list where absent tensors are ``None``; the kernel never touches them (its
@@ -42,6 +51,7 @@ OUT_NORM = True  # y = RMSNorm(out) (else y = out)
 EPS = 1e-05  # AttnRes key-norm epsilon
 OUT_EPS = 1e-05  # output RMSNorm epsilon
 THREADS = 32  # threads per CTA (one row per CTA)
+TP = 1  # ranks whose a rows are summed in-kernel (one-shot all-reduce; 1: a as is)
 # <<< constants
 
 VEC = 8  # bf16 elements per 128-bit access
@@ -49,10 +59,13 @@ WARPS = THREADS // 32
 STEPS = D // (VEC * THREADS)
 NSRC = NB + 1  # AttnRes sources: the sealed blocks, then the prefix
 NSTAT = 2 * NSRC  # per source: sum of squares [0, NSRC), dot with the folded weight [NSRC, 2 NSRC)
+MAX_TP = 16
 # Kernel arguments in call order (the template's args(), then the stream).
 ARG_NAMES = ((["a"] if ADD else []) + (["prefix"] if HAS_PREFIX else []) + (["blocks"] if NB > 0 else [])
              + (["norm_weight", "proj_weight"] if NB > 0 else []) + (["out_norm_weight"] if OUT_NORM else [])
-             + ["y"] + (["new_prefix"] if ADD else []))
+             + ["y"] + (["new_prefix"] if ADD else [])
+             + (["comm", "signal"] + [f"peer{p}" for p in range(TP)] + [f"peer_signal{p}" for p in range(TP)]
+                if TP > 1 else []))
 
 
 @cute.jit
@@ -114,16 +127,39 @@ def mix_sources(mRowBlocks: cute.Tensor, prefix, rAlpha: cute.Tensor, rIn: cute.
     return (acc + prefix * rAlpha[NB]).to(BFloat16)
 
 
+@cute.jit
+def raise_flag(mSignal: cute.Tensor, channel: int, row) -> cutlass.Int32:
+    """Advance this rank's epoch flag (channel, row) with release semantics at system scope (every earlier
+    write of the CTA is visible to a peer that acquires the new value); returns the new epoch."""
+    cute.arch.fence_acq_rel_sys()
+    old = cute.arch.atomic_add(mSignal.iterator + channel * M + row, cutlass.Int32(1), sem="release", scope="sys")
+    return old + cutlass.Int32(1)
+
+
+@cute.jit
+def wait_flags(peerSignals: list, channel: int, row, epoch: cutlass.Int32):
+    """Spin until every rank's flag (channel, row) has reached ``epoch`` (acquire, system scope)."""
+    for p in cutlass.range_constexpr(TP):
+        ptr = peerSignals[p].iterator + channel * M + row
+        seen = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="sys")
+        while seen - epoch < cutlass.Int32(0):
+            seen = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="sys")
+
+
 class Kernel:
     @cute.jit
     def __call__(self, *args):
         t = dict(zip(ARG_NAMES, args[:-1]))
+        peers = [t.get(f"peer{p}") for p in range(MAX_TP)]
+        peer_signals = [t.get(f"peer_signal{p}") for p in range(MAX_TP)]
         self.kernel(t.get("a"), t.get("prefix"), t.get("blocks"), t.get("norm_weight"), t.get("proj_weight"),
-                    t.get("out_norm_weight"), t["y"], t.get("new_prefix")).launch(
-            grid=(M, 1, 1), block=(THREADS, 1, 1), stream=args[-1])
+                    t.get("out_norm_weight"), t["y"], t.get("new_prefix"), t.get("comm"), t.get("signal"),
+                    *peers, *peer_signals).launch(grid=(M, 1, 1), block=(THREADS, 1, 1), stream=args[-1])
 
     @cute.kernel
-    def kernel(self, mA, mPrefix, mBlocks, mNormW, mProjW, mOutW, mY: cute.Tensor, mNewPrefix):
+    def kernel(self, mA, mPrefix, mBlocks, mNormW, mProjW, mOutW, mY: cute.Tensor, mNewPrefix, mComm, mSignal,
+               mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15,
+               mS0, mS1, mS2, mS3, mS4, mS5, mS6, mS7, mS8, mS9, mS10, mS11, mS12, mS13, mS14, mS15):
         tid = cute.arch.thread_idx()[0]
         row = cute.arch.block_idx()[0]
         smem = cutlass.utils.SmemAllocator()
@@ -145,6 +181,20 @@ class Kernel:
                 wOut.append(rIn.load().to(Float32))
         cute.arch.griddepcontrol_wait()
 
+        # The one-shot all-reduce of a (TP > 1): publish this rank's row, wait for every rank's.
+        peers = [mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15][:TP]
+        peerSignals = [mS0, mS1, mS2, mS3, mS4, mS5, mS6, mS7, mS8, mS9, mS10, mS11, mS12, mS13, mS14,
+                       mS15][:TP]
+        if cutlass.const_expr(TP > 1):
+            for s in cutlass.range_constexpr(STEPS):
+                i = s * THREADS + tid
+                cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rIn)
+                cute.autovec_copy(rIn, cute.local_tile(mComm[row, None], (VEC,), (i,)))
+            cute.arch.sync_threads()
+            if tid == 0:
+                wait_flags(peerSignals, 0, row, raise_flag(mSignal, 0, row))
+            cute.arch.sync_threads()
+
         # Pass 1: new prefix (stored, kept in registers) and the per-source statistics.
         rStat = cute.make_rmem_tensor((NSTAT,), Float32)
         for j in cutlass.range_constexpr(NSTAT):
@@ -153,7 +203,15 @@ class Kernel:
         for s in cutlass.range_constexpr(STEPS):
             i = s * THREADS + tid
             if cutlass.const_expr(ADD):
-                cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rIn)
+                if cutlass.const_expr(TP > 1):  # the ranks' rows, summed in rank order, rounded as bf16
+                    cute.autovec_copy(cute.local_tile(peers[0][row, None], (VEC,), (i,)), rIn)
+                    acc = rIn.load().to(Float32)
+                    for p in cutlass.range_constexpr(1, TP):
+                        cute.autovec_copy(cute.local_tile(peers[p][row, None], (VEC,), (i,)), rIn)
+                        acc = acc + rIn.load().to(Float32)
+                    rIn.store(acc.to(BFloat16))
+                else:
+                    cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rIn)
                 if cutlass.const_expr(HAS_PREFIX):
                     cute.autovec_copy(cute.local_tile(mPrefix[row, None], (VEC,), (i,)), rIn2)
                     rOut.store((rIn.load().to(Float32) + rIn2.load().to(Float32)).to(BFloat16))
@@ -174,6 +232,12 @@ class Kernel:
                     rStat[b] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                     rStat[NSRC + b] += (v * wMix[s]).reduce(cute.ReductionOp.ADD, Float32(0.0),
                                                             reduction_profile=0)
+
+        epoch1 = cutlass.Int32(0)
+        if cutlass.const_expr(TP > 1):  # done reading the peers' rows: say so now, wait for theirs at the end
+            cute.arch.sync_threads()
+            if tid == 0:
+                epoch1 = raise_flag(mSignal, 1, row)
 
         # Softmax weights (every thread computes all of them from the reduced statistics).
         rAlpha = cute.make_rmem_tensor((NSRC,), Float32)
@@ -209,4 +273,7 @@ class Kernel:
                 normed = (outVals[s] * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
                 rOut.store((normed.to(Float32) * wOut[s]).to(BFloat16))
                 cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (i,)))
+        if cutlass.const_expr(TP > 1):
+            if tid == 0:
+                wait_flags(peerSignals, 1, row, epoch1)
         cute.arch.griddepcontrol_launch_dependents()

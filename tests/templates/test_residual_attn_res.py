@@ -76,6 +76,8 @@ def test_args_per_variant():
 def _eager(c: dict, x: dict) -> dict:
     """The dialect op this variant implements, on the bf16 inputs (the semantics of record)."""
     m, d = c["M"], c["D"]
+    if c["TP"] > 1:  # what the all-reduce hands the op: the ranks' rows summed, in bf16
+        x = {**x, "a": sum(x[f"peer{p}"].double() for p in range(c["TP"])).to(torch.bfloat16)}
     blocks = x.get("blocks", torch.empty(m, 0, d, dtype=torch.bfloat16))
     gen = torch.Generator().manual_seed(7)  # nb == 0: AttnRes weights are not arguments; any values do
     nw = x.get("norm_weight", (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16))
@@ -112,12 +114,16 @@ def test_reference_matches_dialect(label):
     params["bucket"] = min(params["bucket"], 8)  # same variant, fewer rows: keeps the CPU test fast
     c = T.point(**params).c
     x = T.random_inputs(c, torch.Generator().manual_seed(0))
-    names = {a.name for a in T.point(**params).args() if a.role != "out"}
-    assert set(x) == names
+    args = T.point(**params).args()
+    assert set(x) == {a.name for a in args if a.role != "out"}
     for k, v in x.items():
+        if "signal" in k:
+            continue
         assert v.dtype == torch.bfloat16 and torch.isfinite(v).all() and (v != 0).float().mean() > 0.99, k
     ref = T.reference(c, x)
-    assert set(ref) == {a.name for a in T.point(**params).args() if a.role == "out"}
+    assert set(ref) == {a.name for a in args if a.role == "out" or a.name in ("comm", "signal")}
+    if c["TP"] > 1:  # this rank's row published, each flag channel one epoch on
+        assert torch.equal(ref.pop("comm"), x["a"].double()) and torch.equal(ref.pop("signal"), x["signal"] + 1)
     eager = _eager(c, x)
     for k in ref:
         assert ref[k].dtype == torch.float64 and ref[k].shape == eager[k].shape
@@ -125,8 +131,25 @@ def test_reference_matches_dialect(label):
         assert err < T.tolerance(c) / 2, (k, err)
     if "new_prefix" in ref:
         assert torch.equal(ref["new_prefix"], eager["new_prefix"].double())  # the bf16 add is exact
-    if c["NB"] == 0 and not c["OUT_NORM"]:
-        assert torch.equal(ref["y"], x["prefix"].double())
+    if c["NB"] == 0 and not c["OUT_NORM"]:  # nothing to mix or normalise: y is the (new) prefix
+        assert torch.equal(ref["y"], ref["new_prefix"] if c["ADD"] else x["prefix"].double())
+
+
+@pytest.mark.parametrize("label", ["mini_tp2_b4", "mini_tp4_noprefix_b1"])
+def test_local_wiring_is_the_identity(label):
+    """Single-GPU emulation and the NCCL fallback call the TP kernel with peer0 = a and zero peers: the
+    result equals the TP = 1 kernel's on the same a, bit for bit (k3compile.comm._Local)."""
+    from k3compile import comm
+
+    c = T.point(**EXAMPLES[label]).c
+    c1 = T.point(**{**EXAMPLES[label], "tp": 1}).c
+    x = T.random_inputs(c1, torch.Generator().manual_seed(3))
+    wired = comm._Local("cpu").args(x["a"], c["TP"])
+    ref = T.reference(c, {**x, **wired})
+    ref1 = T.reference(c1, x)
+    for k in ref1:
+        assert torch.equal(ref[k], ref1[k]), k
+    assert torch.equal(ref["comm"], x["a"].double())
 
 
 def test_reference_detects_wrong_semantics():
@@ -173,7 +196,15 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
         assert "ld.local" not in ptx and "st.local" not in ptx, label
         steps = c["D"] // (8 * c["THREADS"])
         # every input is read at least once, every output written exactly once
-        rows_in = sum(c["NB"] if a.name == "blocks" else 1 for a in point.args() if a.role != "out")
+        rows_in = sum(c["NB"] if a.name == "blocks" else 1 for a in point.args()
+                      if a.role != "out" and a.name not in ("comm", "signal") and "peer_signal" not in a.name)
         assert len(loads) >= rows_in * steps, (label, len(loads))
-        assert len(stores) == (1 + c["ADD"]) * steps, (label, len(stores))
+        assert len(stores) == (1 + c["ADD"] + (c["TP"] > 1)) * steps, (label, len(stores))  # + the comm row
+        flags = re.findall(r"(?:atom|ld)\.\S*sys\S*", ptx)
+        if c["TP"] > 1:  # two flag raises (release, system scope), an acquire spin per rank and channel
+            assert ptx.count("fence.acq_rel.sys") == 2 and flags.count("atom.global.sys.release.add.u32") == 2
+            assert flags.count("ld.acquire.sys.global.b32") >= 2 * c["TP"], (label, flags)
+            assert "multimem" not in ptx  # NVLink multicast stays off
+        else:
+            assert not flags, (label, flags)
         assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
