@@ -10,7 +10,11 @@ Per layer type: the step time of a model with the first ``n`` layers minus that 
 the n-th layer's time (``--layers 1,2,4`` on a slice: layer 2 is KDA + MoE, layer 4 gated MLA + MoE).
 
 A TP size above 1 runs rank 0's shard on this one GPU with the collectives as no-ops (a fake process
-group): per-rank compute, communication excluded -- said so in the table and the JSON.
+group): per-rank compute, communication excluded -- said so in the table and the JSON. Launched by
+``torchrun --nproc-per-node N`` (N = ``--tp``) it runs the real thing: every rank its shard on its own
+GPU, NCCL for the model's collectives and the fused residual kernels' one-shot all-reduce over symmetric
+memory (system ``k3compile``), or NCCL all-reduces before the same kernels (``k3compile-nccl``); rank 0
+reports its own times (the ranks run in lockstep).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 
@@ -25,7 +30,7 @@ import torch
 
 from .kernel_check import measure_copy_bandwidth
 
-SYSTEMS = ("eager", "inductor", "k3compile")
+SYSTEMS = ("eager", "inductor", "k3compile", "k3compile-nccl")
 
 
 @dataclasses.dataclass
@@ -47,21 +52,41 @@ class Row:
         return self.us_per_step / self.floor_us
 
 
-def _fake_tp(tp: int) -> None:
+def real_tp() -> int:
+    """The world size when launched by torchrun (several processes), else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_tp(tp: int) -> int:
+    """This process's rank: real ranks under torchrun (NCCL, one GPU each), else rank 0 of a fake group."""
     import torch.distributed as dist
 
+    world = real_tp()
+    if world > 1:
+        if world != tp:
+            raise SystemExit(f"torchrun started {world} processes but --tp is {tp}: pass --tp {world} (one GPU "
+                             f"per rank), or run without torchrun for single-GPU emulation")
+        for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                         ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(var, val)  # NVLink multicast stays off
+        if not dist.is_initialized():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        return dist.get_rank()
     if tp == 1 or dist.is_initialized():
-        return
+        return 0
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    return 0
 
 
 def build_model(config, tp: int, device: str = "cuda", seed: int = 0):
     from .models.random_init import random_model
 
-    _fake_tp(tp)
-    return random_model(config, tp_rank=0, tp_size=tp, device=device, seed=seed)
+    rank = _init_tp(tp)
+    return random_model(config, tp_rank=rank, tp_size=tp, device=device, seed=seed)
 
 
 def _floor_us(lowered, model, state, ids, tp: int, bucket: int, context: int, bandwidth: float) -> float:
@@ -137,7 +162,7 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
     nl = config.num_hidden_layers
     # k3compile first (its lowered graph gives the floor), Inductor last: on torch 2.11 a Dynamo capture with
     # a dynamic batch after an Inductor compile of the same function can fail to trace
-    order = [s for s in ("k3compile", "eager", "inductor") if s in systems] + [s for s in systems if s not in SYSTEMS]
+    order = [s for s in ("k3compile", "k3compile-nccl", "eager", "inductor") if s in systems] + [s for s in systems if s not in SYSTEMS]
     floors: dict = {}
     for system in order:
         for ctx in contexts:
@@ -150,7 +175,8 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                     raise SystemExit(f"--context {ctx} + {steps} steps does not fit the package's state capacity "
                                      f"{cap} (its --max-context); pass a context below {cap - steps - 8}")
                 state = model.new_state(b, cap)
-                ids = torch.randint(0, config.vocab_size // tp, (b,), device="cuda")
+                gen = torch.Generator().manual_seed(1000 * b + ctx)  # the same tokens on every rank
+                ids = torch.randint(0, config.vocab_size // tp, (b,), generator=gen).cuda()
                 state.lengths.fill_(ctx)
                 mem0 = torch.cuda.memory_allocated()
                 row = Row(config.name, nl, tp, ctx, b, system)
@@ -168,7 +194,9 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                 except Exception as e:  # a baseline that cannot run is reported, not hidden
                     row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 if tp > 1:
-                    row.note = (row.note + "; " if row.note else "") + "per-rank compute, communication excluded"
+                    row.note = (row.note + "; " if row.note else "") + (
+                        f"real TP over {tp} GPUs, communication included" if real_tp() > 1
+                        else "per-rank compute, communication excluded")
                 rows.append(row)
                 log(_fmt(row))
                 if partial:
@@ -206,12 +234,14 @@ def _system(system: str, model, state, ids, bucket: int, package: str | None):
         torch._dynamo.reset()
         f = torch.compile(model.decode, dynamic=False)
         return (lambda: f(ids, state)), None
-    if system == "k3compile":
+    if system in ("k3compile", "k3compile-nccl"):
         if not package:
             raise RuntimeError("no --package: k3compile's kernels come from a prebuilt package on the GPU host")
         torch._dynamo.reset()
-        step = k3compile.compile(model, buckets=(bucket,), options={"kernels": f"package:{package}",
-                                                                   "check_inputs": False})
+        opts = {"kernels": f"package:{package}", "check_inputs": False}
+        if system == "k3compile-nccl":  # NCCL all-reduces before the residual kernels instead of one-shot
+            opts["oneshot_max_bytes"] = 0
+        step = k3compile.compile(model, buckets=(bucket,), options=opts)
         return (lambda: step(ids, state)), lambda: step.dispatchers[-1].lowered[bucket]
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
@@ -250,22 +280,30 @@ def table(result: dict) -> str:
 
 
 def main(args) -> int:
+    import torch.distributed as dist
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 reports
+
     def save(res):
-        if args.json:
+        if args.json and rank0:
             with open(args.json, "w") as fh:
                 json.dump(res, fh, indent=1)
 
     res = run(args.config, layers=args.layers, tp=args.tp, buckets=args.buckets, contexts=args.context,
               package=args.package, systems=tuple(args.systems), steps=args.steps,
-              log=lambda s: print(s, file=sys.stderr, flush=True), partial=save)
+              log=(lambda s: print(s, file=sys.stderr, flush=True)) if rank0 else (lambda s: None), partial=save)
     save(res)
-    print(table(res))
-    if args.png:
-        plot(res, args.png)
+    if rank0:
+        print(table(res))
+        if args.png:
+            plot(res, args.png)
+    if real_tp() > 1 and dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
-COLORS = {"eager": (214, 39, 40), "inductor": (255, 127, 14), "k3compile": (31, 119, 180)}
+COLORS = {"eager": (214, 39, 40), "inductor": (255, 127, 14), "k3compile": (31, 119, 180),
+          "k3compile-nccl": (44, 160, 44)}
 
 
 def plot(result: dict, path: str, *, layers: int | None = None, context: int | None = None) -> None:

@@ -194,13 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="k3_mini, or slice: real K3 dimensions, the first --layers layers")
     be.add_argument("--layers", type=_int_list, default=None,
                     help="depths to run (e.g. 1,2,4: layer n's time = T(n) - T(n-1))")
-    be.add_argument("--tp", type=int, default=1, help="TP size emulated on this GPU (rank 0's shard)")
+    be.add_argument("--tp", type=int, default=1, help="TP size: emulated on this GPU (rank 0's shard, no "
+                                                      "communication), or real under torchrun --nproc-per-node TP")
     be.add_argument("--buckets", type=_int_list, default=(1, 8, 64), help="batch sizes (= buckets)")
     be.add_argument("--context", type=_int_list, default=(1024,), help="tokens already in each sequence")
     be.add_argument("--package", help="kernel package (codegen --package; its --max-context is the state's "
                                       "capacity); '{layers}' in it is replaced by the depth (--layers)")
     be.add_argument("--systems", type=lambda s: s.split(","), default=["eager", "inductor", "k3compile"],
-                    help="comma-separated: eager, inductor, k3compile")
+                    help="comma-separated: eager, inductor, k3compile, k3compile-nccl (TP > 1: NCCL all-reduce "
+                         "before the residual kernels instead of their one-shot all-reduce)")
     be.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
     be.add_argument("--json", default="bench.json", help="where to write the results")
     be.add_argument("--png", default="bench.png", help="plot: µs per step vs batch per system, floor dashed")

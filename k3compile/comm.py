@@ -58,8 +58,14 @@ class _Symmetric:
         self.pads: dict = {}  # m -> (signal, [peer pads])
 
     def _alloc(self, shape, dtype):
+        import warnings
+
         import torch.distributed._symmetric_memory as symm_mem
 
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a deprecated no-op later
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group)
         t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
         t.zero_()
         h = symm_mem.rendezvous(t, self.group)
