@@ -46,7 +46,8 @@ def _run(world: int, check: str, tmp_path, *args) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", WORKER,
            check, *args, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    errors = "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob(f"{check}.json.rank*.err")))
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{errors or proc.stderr[-6000:]}"
     if os.environ.get("K3_TP_RESULTS"):  # keep the evidence (tests/gpu/run_tp.sh brings it back)
         shutil.copy(out, os.path.join(os.environ["K3_TP_RESULTS"], f"tp{world}_{check}.json"))
     return json.loads(out.read_text())

@@ -232,6 +232,14 @@ def main() -> int:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
             print(json.dumps(res, indent=1)[:6000])
+    except BaseException:
+        import traceback
+
+        msg = traceback.format_exc()
+        with open(f"{args.out}.rank{rank}.err", "w") as fh:  # the test shows it (torchrun's summary does not)
+            fh.write(msg)
+        print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
     return 0
