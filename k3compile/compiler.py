@@ -189,7 +189,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp
 def _kernel_dispatcher(graphs, inputs, kernels: str, device, tp_size: int, options: Options, fallback):
     from . import runtime
 
-    if tp_size > 1:
+    if runtime.emulating(tp_size):
         log.warning("k3compile: TP %d on one device: collectives are the identity (per-rank compute, "
                     "communication excluded)", tp_size)
     arch = options.arch or "sm_90a"

@@ -49,13 +49,12 @@ class MlaDecode(Template):
                   kv_eps: float, scale: float, splits: int | None = None, chunk_min: int = 256) -> list:
         p = "mla_decode"
         need(bucket in BUCKETS, f"{p}: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
-        need(isinstance(heads, int) and 2 <= heads <= MAX_HEADS,
-             f"{p}: heads={heads} must be in 2..{MAX_HEADS} (one warp per local head, at most 1024 threads; with "
-             f"a single warp the cooperative cache-tile loads spill registers): use a TP size that leaves 2 or "
-             f"more heads per rank, or shard the heads over more ranks when there are too many")
-        need(isinstance(heads, int) and isinstance(kv_lora, int) and 32 * heads >= kv_lora // 8,
-             f"{p}: {heads} heads give {32 * heads} threads, fewer than the {kv_lora // 8} that hold the kv_lora="
-             f"{kv_lora} part of the latent row during its RMSNorm; use at least {-(-kv_lora // 256)} local heads")
+        need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
+             f"{p}: heads={heads} must be in 1..{MAX_HEADS} (one warp per local head, at most 1024 threads): "
+             f"shard the heads over more ranks (a larger TP size)")
+        need(isinstance(heads, int) and isinstance(kv_lora, int) and 32 * max(heads, 2) >= kv_lora // 8,
+             f"{p}: {heads} heads give {32 * max(heads, 2)} threads, fewer than the {kv_lora // 8} that hold the "
+             f"kv_lora={kv_lora} part of the latent row during its RMSNorm; use at least {-(-kv_lora // 256)} local heads")
         need(isinstance(kv_lora, int) and kv_lora > 0 and kv_lora % 256 == 0,
              f"{p}: kv_lora={kv_lora} must be a positive multiple of 256 (each lane owns whole 8-element chunks "
              f"of the latent); K3 uses 512")
@@ -104,6 +103,7 @@ class MlaDecode(Template):
         for b, lmax in ((1, 32768), (8, 32768), (64, 16384)):  # cache <= 2.4 GB; b64 kept smaller for CPU refs
             ex[f"k3tp8_b{b}"] = dict(bucket=b, heads=12, lmax=lmax, **common)
         ex["mini_h2_b4"] = dict(bucket=4, heads=2, lmax=4096, **common)  # the trained k3-mini (2 heads): 64 threads
+        ex["mini_h1_b1"] = dict(bucket=1, heads=1, lmax=4096, **common)  # the trained k3-mini at TP 2
         return ex
 
     def args(self, c):

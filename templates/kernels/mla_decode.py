@@ -11,7 +11,9 @@ local head h:
   rows come from the cache, softmax, ``ol = sum_p prob_p c_p`` ([C]), ``o[h] = ol @ W_uv[h]^T`` ([V]),
   ``out = bf16(o * sigmoid(gate))``.
 
-Kernel 1 (``kernel``, grid (NSPLIT, M), one warp per local head, so THREADS = 32 * H): flash-decoding
+Kernel 1 (``kernel``, grid (NSPLIT, M), one warp per local head, so THREADS = 32 * max(H, 2): with one
+local head a second warp shares the cooperative tile loads and the latent row, computes head 0 again and
+writes nothing (one warp alone would spill the staging registers)): flash-decoding
 split over the context. Row m has n = lengths[m] + 1 valid positions (read on device); it uses
 ``nact = min(NSPLIT, ceil(n / CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions each; CTAs with a
 split index >= nact do nothing. An active CTA
@@ -62,7 +64,8 @@ VEC = 8  # bf16 elements per 16-byte load
 ROW = C + R  # latent row (cache row) width
 QH = NOPE + R  # q elements per head
 KVH = NOPE + V  # kv_b_weight rows per head (W_uk rows then W_uv rows)
-THREADS = 32 * H  # kernel 1: one warp per head
+WARPS = max(H, 2)  # kernel 1: one warp per head, at least two (warps >= H repeat head H - 1, write nothing)
+THREADS = 32 * WARPS
 CCH = C // (VEC * 32)  # 8-element chunks of C per lane
 RPL = R // 32  # rope elements per lane
 RCH = ROW // VEC  # 16-byte chunks per latent row
@@ -138,7 +141,8 @@ class Kernel:
                mWsMl: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
-        head = cute.arch.warp_idx()
+        warp = cute.arch.warp_idx()
+        head = cutlass.min(warp, Int32(H - 1))
         split = cute.arch.block_idx()[0]
         row = cute.arch.block_idx()[1]
         smem = cutlass.utils.SmemAllocator()
@@ -169,8 +173,8 @@ class Kernel:
                 x = rX.load().to(Float32)
                 ss = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
             ss = cute.arch.warp_reduction(ss, operator.add)
-            if lane == 0 and head < NORM_WARPS:
-                sNorm[head] = ss
+            if lane == 0 and warp < NORM_WARPS:
+                sNorm[warp] = ss
             cute.arch.sync_threads()
             total = Float32(0.0)
             for w in cutlass.range_constexpr(NORM_WARPS):
@@ -237,12 +241,13 @@ class Kernel:
                 cute.arch.sync_threads()
 
             # -- 4. this split's partial
-            for k in cutlass.range_constexpr(CCH):
-                cute.autovec_copy(rOl[None, k],
-                                  cute.local_tile(mWsOl[row, split, head, None], (VEC,), (k * 32 + lane,)))
-            if lane == 0:
-                mWsMl[row, split, head, 0] = m_run
-                mWsMl[row, split, head, 1] = l_run
+            if warp < H:
+                for k in cutlass.range_constexpr(CCH):
+                    cute.autovec_copy(rOl[None, k],
+                                      cute.local_tile(mWsOl[row, split, head, None], (VEC,), (k * 32 + lane,)))
+                if lane == 0:
+                    mWsMl[row, split, head, 0] = m_run
+                    mWsMl[row, split, head, 1] = l_run
         cute.arch.griddepcontrol_launch_dependents()
 
     # ------------------------------------------------------- kernel 2: combine, W_uv, output gate

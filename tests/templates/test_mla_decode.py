@@ -51,7 +51,7 @@ def test_examples_present_and_sized():
 @pytest.mark.parametrize("label", sorted(EXAMPLES))
 def test_render_deterministic(label):
     env = rendered_constants(T, EXAMPLES[label])
-    assert env["THREADS"] == 32 * env["H"] <= 1024
+    assert env["THREADS"] == 32 * max(env["H"], 2) <= 1024  # one warp per head, at least two
 
 
 def test_render_differs_per_point():
