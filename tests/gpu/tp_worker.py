@@ -185,11 +185,14 @@ def check_logits(args, rank: int, world: int) -> dict:
         one = k3compile.compile(tp1, buckets=(bucket,), options={"kernels": f"package:{args.package1}"})
         torch._dynamo.reset()
         runtime.reset_launch_counts()
+        print(f"[rank {rank}] compiling TP {world}, bucket {bucket}", file=sys.stderr, flush=True)
         many = k3compile.compile(tpn, buckets=(bucket,), options={"kernels": f"package:{args.package}"})
         s1, sn, se = tp1.new_state(bucket, cap), tpn.new_state(bucket, cap), tpn.new_state(bucket, cap)
         ids = torch.arange(batch, device="cuda") * 7 % tp1.config.vocab_size
         errs, eager_errs, top1, differ_ranks = [], [], [], 0
-        for _ in range(args.steps):
+        for i in range(args.steps):
+            if i % 64 == 0:
+                print(f"[rank {rank}] batch {batch} step {i}", file=sys.stderr, flush=True)
             a = one(ids, s1)
             b = many(ids, sn)
             e = tpn.decode(ids, se)  # eager TP-N (NCCL collectives)
@@ -222,9 +225,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--replays", type=int, default=1000)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--watchdog", type=float, default=0, help="seconds before stacks are dumped and it exits")
     args = ap.parse_args()
     rank, world = _setup()
     t0 = time.time()
+    if args.watchdog:  # a hang (a collective or flag wait that never completes) prints every thread's stack
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     try:
         res = (check_allreduce if args.check == "allreduce" else check_logits)(args, rank, world)
         res["seconds"] = round(time.time() - t0, 1)
