@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--config", default="k3_mini", choices=("k3_mini",),
                     help="k3_mini: the trained checkpoint (checkpoints/k3_mini_text) unless --checkpoint")
     ve.add_argument("--checkpoint", help="a k3-mini-class checkpoint directory")
-    ve.add_argument("--tp", type=int, default=1, choices=(1,), help="TP size (1; real TP: the multi-GPU issue)")
+    ve.add_argument("--tp", type=int, default=1,
+                    help="TP size; > 1 runs on real ranks: torchrun --nproc-per-node TP -m k3compile.cli verify --tp TP")
     ve.add_argument("--buckets", type=_int_list, default=(1, 4, 8), help="buckets to compile and check")
     ve.add_argument("--steps", type=int, default=1000, help="generated tokens per prompt (long generation)")
     ve.add_argument("--kernels", default=None, help="package:DIR, jit or reference (default: $K3_KERNEL_PACKAGE "

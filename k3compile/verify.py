@@ -20,6 +20,12 @@ One command, one report (Markdown + JSON) a reviewer can accept or reject withou
 
 On a CPU the kernels run as their float64 template references (``kernels="reference"``): the GPU-only
 checks are listed as skipped, by name.
+
+TP > 1 runs on real ranks, one process each (``torchrun --nproc-per-node T -m k3compile.cli verify --tp T``;
+NCCL on GPUs, gloo on CPUs): every rank runs the same checks on its shard, compiled against eager with the
+same collectives, and the long generation also checks that the ranks' logits are identical at every step;
+rank 0 writes the report. Single-device TP emulation is refused: it replaces the collectives with the
+identity, which computes another function than the model, so there is nothing to verify it against.
 """
 
 from __future__ import annotations
@@ -68,7 +74,34 @@ def _compile(model, buckets, **options):
     return k3compile.compile(model, buckets=buckets, options={**_OPTIONS, **options})
 
 
-def _model(checkpoint: str | None, device: str):
+def _rank(tp: int) -> int:
+    """This process's rank in a TP > 1 verify run (real ranks only: see the module docstring)."""
+    import torch.distributed as dist
+
+    if tp == 1:
+        return 0
+    how = (f"launch it as `torchrun --nproc-per-node {tp} -m k3compile.cli verify --tp {tp} ...` (one GPU per "
+           f"rank; gloo on CPUs). Single-device TP emulation replaces the collectives with the identity, which "
+           f"computes another function than the model, so there is nothing to verify it against")
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) != tp:
+            raise SystemExit(f"verify --tp {tp} runs on {tp} real ranks: {how}")
+        if torch.cuda.is_available():
+            for var in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
+                os.environ.setdefault(var, "0" if var.startswith("NCCL") else "1")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # NVLink multicast stays off
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
+    if dist.get_backend() == "fake" or dist.get_world_size() != tp:
+        raise SystemExit(f"verify --tp {tp}: the process group is {dist.get_backend()} with "
+                         f"{dist.get_world_size()} ranks; {how}")
+    return dist.get_rank()
+
+
+def _model(checkpoint: str | None, device: str, tp: int = 1, rank: int = 0):
     from .models import k3_mini, load_pretrained, save_random_checkpoint
     from .models.train import trained_checkpoint
 
@@ -79,12 +112,12 @@ def _model(checkpoint: str | None, device: str):
             checkpoint = None
     if checkpoint is None:  # no trained model in this checkout: a random k3-mini (chaotic: see the README)
         checkpoint = save_random_checkpoint(tempfile.mkdtemp(prefix="k3verify_"), k3_mini(), seed=0)
-    return load_pretrained(checkpoint, device=device), checkpoint
+    return load_pretrained(checkpoint, device=device, tp_rank=rank, tp_size=tp), checkpoint
 
 
 def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, kernels: str | None = None,
            disable: tuple = (), compile_check: bool = True, bench: bool = False, batch_invariant: bool = False,
-           log=print) -> dict:
+           tp: int = 1, log=print) -> dict:
     """Run every check; returns the report (``markdown(report)`` renders it). See the module docstring."""
     gpu = torch.cuda.is_available() and kernels not in ("reference",)
     device = "cuda" if gpu else "cpu"
@@ -92,7 +125,8 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     if gpu and not kernels:
         pkg = os.environ.get("K3_KERNEL_PACKAGE")
         kernels = f"package:{pkg}" if pkg else "jit"
-    model, ckpt = _model(checkpoint, device)
+    rank = _rank(tp)
+    model, ckpt = _model(checkpoint, device, tp, rank)
     _OPTIONS.clear()
     _OPTIONS["batch_invariant"] = batch_invariant
     cap = _capacity(kernels, steps)
@@ -100,7 +134,7 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     t0 = time.time()
     checks: list[Check] = []
 
-    log(f"verify: {ckpt} on {device}, kernels {kernels}, buckets {list(buckets)}")
+    log(f"verify: {ckpt} on {device}, kernels {kernels}, buckets {list(buckets)}, TP {tp}")
     # 1 + 2 (shadow): run every bucket, full and padded, with the eager op beside every node
     runtime.reset_launch_counts()
     step = _compile(model, buckets, kernels=kernels, shadow=True, disable_kernels=tuple(disable))
@@ -158,8 +192,10 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     audit = Check("memory-ordering audit")
     if kernels.startswith("package:"):  # the package was compiled and audited when it was built
         _package_audit(kernels.removeprefix("package:"), kern, c, audit)
-    elif compile_check:
+    elif compile_check and rank == 0:  # TP > 1: every rank compiles the same kernels; rank 0 does it once
         _compile_and_audit(kern, c, audit)
+    elif compile_check:
+        audit.status, audit.summary = "skipped", f"rank {rank}: compiled and audited on rank 0"
     else:
         audit.status = "skipped"
         audit.summary = "skipped (--no-compile-check)"
@@ -169,18 +205,18 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
 
     log(f"verify: kernel checks {c.status} ({time.time() - t0:.0f} s)")
     # 3 long generation, 4 cross-bucket
-    checks.append(_long_generation(model, kernels, buckets, steps, cap, device))
+    checks.append(_long_generation(model, kernels, buckets, steps, cap, device, tp))
     log(f"verify: long generation {checks[-1].status} ({time.time() - t0:.0f} s)")
     checks.append(_cross_bucket(model, kernels, buckets, cap, device))
     log(f"verify: cross-bucket {checks[-1].status} ({time.time() - t0:.0f} s)")
     checks.append(audit)
-    checks.append(_scope(d, kernels, buckets, gpu))
+    checks.append(_scope(d, kernels, buckets, gpu, tp))
     perf = Check("performance sweep")
     if gpu and bench and kernels.startswith("package:"):
         from .bench import measure_copy_bandwidth, run_model
 
         rows: list = []
-        run_model(model, tp=1, buckets=list(buckets), contexts=[min(1024, cap - 64)],
+        run_model(model, tp=tp, buckets=list(buckets), contexts=[min(1024, cap - 64)],
                   package=kernels.removeprefix("package:"), systems=("k3compile", "eager"), steps=10,
                   bandwidth=measure_copy_bandwidth(), rows=rows, log=lambda s: None)
         perf.data = {"rows": [r.__dict__ for r in rows]}
@@ -192,7 +228,7 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     checks.append(perf)
     ok = all(ch.status != "fail" for ch in checks)
     return {"verdict": "VERIFIED" if ok else "FAILED", "ok": ok, "checkpoint": ckpt, "device": device,
-            "kernels": kernels, "buckets": list(buckets), "steps": steps, "batch_invariant": batch_invariant,
+            "kernels": kernels, "buckets": list(buckets), "steps": steps, "batch_invariant": batch_invariant, "tp": tp,
             "seconds": round(time.time() - t0, 1),
             "thresholds": {"shadow": SHADOW_TOL, "top1_min": TOP1_MIN, "p50_max": P50_MAX,
                            "cross_bucket": CROSS_BUCKET_TOL},
@@ -268,7 +304,7 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _long_generation(model, kernels, buckets, steps, cap, device) -> Check:
+def _long_generation(model, kernels, buckets, steps, cap, device, tp: int = 1) -> Check:
 
     prompts = [[1, 2, 3], [7] * 9, list(range(20, 45)), [3]]
     batch = min(len(prompts), buckets[-1])
@@ -278,7 +314,7 @@ def _long_generation(model, kernels, buckets, steps, cap, device) -> Check:
     free_ref, free_k3 = model.new_state(buckets[-1], cap), model.new_state(buckets[-1], cap)
     tf_ref, tf_k3 = model.new_state(buckets[-1], cap), model.new_state(buckets[-1], cap)
     longest = max(len(p) for p in prompts)
-    first_div, errs, agree = None, [], []
+    first_div, errs, agree, digests = None, [], [], []
     last_ref = last_k3 = None
     for i in range(longest + steps):
         feed = [p[i] if i < len(p) else None for p in prompts]
@@ -293,11 +329,22 @@ def _long_generation(model, kernels, buckets, steps, cap, device) -> Check:
         # teacher-forced: both on eager's tokens
         ref, out = model.decode(ids_ref, tf_ref), step(ids_ref, tf_k3)
         errs.append(float((out - ref).norm() / ref.norm()))
+        digests.append(out.double().sum().item())  # TP > 1: compared across the ranks below
         agree.append(float((out.argmax(-1) == ref.argmax(-1)).float().mean()))
     top1 = sum(agree) / len(agree)
     c.data = {"prompt_lengths": [len(p) for p in prompts], "steps": steps, "first_divergence": first_div,
               "rel_err": {"max": max(errs), "p50": _pct(errs, .5), "p90": _pct(errs, .9), "p99": _pct(errs, .99)},
               "top1_agreement": top1}
+    if tp > 1:  # every rank must produce the same logits (same routing, same sums) at every step
+        import torch.distributed as dist
+
+        every: list = [None] * tp
+        dist.all_gather_object(every, digests)
+        differ = sum(any(d[i] != every[0][i] for d in every) for i in range(len(digests)))
+        c.data["steps_ranks_differ"] = differ
+        c.details.append(f"TP {tp}: the ranks' logits differ at {differ} of {len(digests)} steps")
+        if differ:
+            c.fail(f"the {tp} ranks' compiled logits differ at {differ} steps (they must be identical)")
     c.summary = (f"{batch} prompts (lengths {c.data['prompt_lengths']}), {steps} generated steps: first greedy "
                  f"divergence {'none' if first_div is None else f'at step {first_div}'}; teacher-forced logit "
                  f"error p50 {_pct(errs, .5):.3g} p99 {_pct(errs, .99):.3g} max {max(errs):.3g}; top-1 "
@@ -339,7 +386,7 @@ def _cross_bucket(model, kernels, buckets, cap, device, n: int = 8) -> Check:
     return c
 
 
-def _scope(d, kernels, buckets, gpu) -> Check:
+def _scope(d, kernels, buckets, gpu, tp: int = 1) -> Check:
     import collections
 
     glue: collections.Counter = collections.Counter()
@@ -353,10 +400,11 @@ def _scope(d, kernels, buckets, gpu) -> Check:
                     glue[t] += 1
         eager += [f"bucket {b}: {e.node} ({e.op}): {e.why}" for e in bg.bindings if isinstance(e, runtime.EagerOp)]
     c = Check("scope", status="pass")
-    c.data = {"buckets": list(buckets), "tp": [1], "arch": "sm_90a", "kernels": kernels, "torch_glue": dict(glue),
+    c.data = {"buckets": list(buckets), "tp": [tp], "arch": "sm_90a", "kernels": kernels, "torch_glue": dict(glue),
               "eager_ops": eager}
-    c.summary = (f"buckets {list(buckets)}, TP 1 (TP > 1 on one GPU is per-rank emulation; real collectives: "
-                 f"the multi-GPU issue), sm_90a; kernels: {kernels}; features kept: full context (MLA cache of "
+    where = (f"TP {tp} on {tp} real ranks (this report: rank 0; o_proj/FFN all-reduces inside the residual "
+             f"kernels)" if tp > 1 else "TP 1 (other TP sizes: --tp under torchrun)")
+    c.summary = (f"buckets {list(buckets)}, {where}, sm_90a; kernels: {kernels}; features kept: full context (MLA cache of "
                  f"the package's capacity, split-context decode), per-sequence lengths, padding rows preserved, "
                  f"the state advanced in place; sampling runs on the logits outside the step")
     c.details = [f"torch glue per graph (not kernels: embedding gather, AttnRes block stack, MLA cache write, "
@@ -385,16 +433,29 @@ def markdown(res: dict) -> str:
 def main(args) -> int:
     import sys
 
+    import torch.distributed as dist
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 reports
     res = verify(checkpoint=args.checkpoint, buckets=args.buckets, steps=args.steps, kernels=args.kernels,
                  disable=tuple(args.disable.split(",")) if args.disable else (),
                  compile_check=not args.no_compile_check, bench=args.bench, batch_invariant=args.batch_invariant,
-                 log=lambda s: print(s, file=sys.stderr, flush=True))
-    md = markdown(res)
-    print(md)
-    if args.report:
-        with open(args.report, "w") as fh:
-            fh.write(md)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
-    return 0 if res["ok"] else 1
+                 tp=args.tp, log=(lambda s: print(s, file=sys.stderr, flush=True)) if rank0 else (lambda s: None))
+    if rank0:
+        md = markdown(res)
+        print(md)
+        if args.report:
+            with open(args.report, "w") as fh:
+                fh.write(md)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1,
+                          default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    rc = 0 if res["ok"] else 1
+    if args.tp > 1 and dist.is_initialized():
+        # torch 2.11: destroy_process_group() hangs while CUDA graphs that captured NCCL collectives are alive
+        # (the compiled steps keep theirs): every rank is done, so the process leaves without the teardown
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc

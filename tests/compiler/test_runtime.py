@@ -168,15 +168,19 @@ def _tp_runtime_worker(rank, world, ckpt, out_dir):
     logits = [step(torch.arange(1 + i, 1 + i + b), state) for i, b in enumerate((1, 3, 4))]
     torch.save({"logits": logits, "shadow": runtime.shadow_errors(), "counts": runtime.launch_counts(),
                 "problems": step.dispatchers[-1].coverage()["problems"], "fallbacks": runtime.eager_fallbacks(),
-                "table": step.dispatchers[-1].bound[4].table()}, os.path.join(out_dir, f"rank{rank}.pt"))
+                "table": step.dispatchers[-1].bound[4].table(),
+                "residual_tps": sorted({k.point.c["TP"] for k in step.dispatchers[-1].bound[4].kernels.values()
+                                        if k.point.template.name == "residual_attn_res"})},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
     """TP 2 through gloo, kernels as float64 references: every node's binding (GEMV shards, all-gathers of
     the router/latent rows, all-reduces in the o_proj and FFN tails, the model-level collectives) matches
     the dialect op on each rank, both ranks produce the same logits, every planned kernel ran, and the
-    collectives were issued (the same code path NCCL takes on GPUs; the one-shot all-reduce kernel is the
-    multi-GPU issue's)."""
+    collectives were issued. The o_proj/FFN residual kernels are the TP 2 ones that all-reduce in-kernel;
+    without symmetric memory (CPU) they take gloo's all-reduce through the local wiring, the path NCCL
+    takes on GPUs above ``oneshot_max_bytes`` (tests/gpu/test_tp_gpu.py runs the one-shot exchange)."""
     from cpu import run_gloo
 
     run_gloo(_tp_runtime_worker, 2, mini_ckpt, str(tmp_path))
@@ -189,6 +193,7 @@ def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
         assert res["problems"] == [] and res["fallbacks"] == {}
         assert res["counts"]["collective:all_reduce"] > 0 and res["counts"]["collective:all_gather"] > 0
         assert "Collective[tp_all_reduce]" in res["table"]
+        assert res["residual_tps"] == [1, 2]  # fused all-reduce kernels, and the AttnRes-only ones
 
 
 def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):

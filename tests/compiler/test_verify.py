@@ -3,6 +3,8 @@ checks are listed as skipped, and a run with a fused kernel disabled fails the c
 
 import json
 
+import torch
+
 from k3compile.cli import main
 from cpu import one_thread
 
@@ -45,3 +47,35 @@ def test_a_disabled_fused_kernel_fails_the_coverage_proof_by_name(tmp_path, caps
     assert "launched 0 times" in problems and "kernel moe_gate_up_" in problems and "moe_down_combine_" in problems
     assert "(routed_experts) ran eagerly instead of moe_gate_up_" in problems
     assert "# k3compile verify: **FAILED**" in capsys.readouterr().out
+
+
+def _verify_tp_worker(rank, world, out_dir):
+    import os
+
+    from k3compile.verify import verify
+
+    torch.set_num_threads(1)
+    res = verify(buckets=(1, 4), steps=8, tp=world, compile_check=False, log=lambda s: None)
+    if rank == 0:
+        with open(os.path.join(out_dir, "verify_tp.json"), "w") as fh:
+            json.dump(res, fh, default=str)
+
+
+def test_verify_tp2_on_two_gloo_ranks(tmp_path):
+    """``verify --tp 2`` on two real ranks (gloo): the same checks on each shard, and the ranks' logits
+    identical at every step of the long generation."""
+    from cpu import run_gloo
+
+    run_gloo(_verify_tp_worker, 2, str(tmp_path))
+    res = json.loads((tmp_path / "verify_tp.json").read_text())
+    checks = {c["name"]: c for c in res["checks"]}
+    assert res["tp"] == 2 and checks["scope"]["data"]["tp"] == [2] and "2 real ranks" in checks["scope"]["summary"]
+    assert checks["long generation"]["data"]["steps_ranks_differ"] == 0
+    assert res["verdict"] == "VERIFIED", [c["details"] for c in res["checks"] if c["status"] == "fail"]
+
+
+def test_verify_tp_without_ranks_is_a_clear_error():
+    import pytest
+
+    with pytest.raises(SystemExit, match="torchrun --nproc-per-node 2"):
+        main(["verify", "--tp", "2", "--steps", "2"])

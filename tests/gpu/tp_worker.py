@@ -240,6 +240,13 @@ def main() -> int:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
             print(json.dumps(res, indent=1)[:6000])
+        # torch 2.11: destroy_process_group() hangs while CUDA graphs that captured NCCL collectives are alive
+        # (the compiled steps keep theirs); every rank is done here, so leave without tearing down
+        dist.barrier()
+        torch.cuda.synchronize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BaseException:
         import traceback
 
@@ -248,8 +255,6 @@ def main() -> int:
             fh.write(msg)
         print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
         raise
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
