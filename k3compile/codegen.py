@@ -332,7 +332,7 @@ def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_i
     try:
         if lower is None:
             raise _Uncovered(f"no template for dialect op {op}" + (
-                " (a collective: the runtime issues it, NCCL or the one-shot all-reduce of the multi-GPU issue)"
+                " (a model-level collective: the runtime issues it through torch.distributed, NCCL on GPUs)"
                 if op in dialect.COLLECTIVE_OPS else ""))
         specs, note = lower_node(node, b, tp, batch_invariant=batch_invariant)
         names = []

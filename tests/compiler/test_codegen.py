@@ -74,13 +74,14 @@ def test_coverage_is_reported_honestly(mini_codegen, mini_build):
         assert bool(e.kernels) != bool(e.uncovered), e
     text = summary(manifest)
     assert f"coverage: {cov['covered']} of {cov['plan_launches']}" in text
-    # At TP 1 every launch has kernels; above it only what needs more than one rank is left: the model-level
-    # all-reduce (a collective of the runtime) and MLA with a single head per rank (k3-mini at TP 8).
+    # At TP 1 every launch has kernels; above it only the model-level all-reduce (a collective the runtime
+    # issues) is left; MLA with a single head per rank (k3-mini at TP 8) has its kernel.
     for e in mini_codegen.entries:
         if e.tp == 1:
             assert e.kernels, e
         elif not e.kernels:
-            assert e.op == "tp_all_reduce" or (e.op == "mla_decode_latent" and e.tp == 8), e
+            assert e.op == "tp_all_reduce", e
+    assert any(e.op == "mla_decode_latent" and e.tp == 8 and e.kernels for e in mini_codegen.entries)
 
 
 def test_sources_match_golden(mini_codegen, mini_build):
