@@ -3,7 +3,7 @@
 The o_proj / FFN partial sums of the TP ranks are summed by the kernel that consumes them (residual add,
 AttnRes, RMSNorm): one launch, no separate collective. The kernel reads every rank's row through
 peer-accessible buffers and synchronises with epoch flags (see ``templates/kernels/residual_attn_res.py``).
-This module gives a kernel call its communication arguments, in one of three wirings::
+This module gives a kernel call its communication arguments, in one of two wirings::
 
     one-shot (real ranks, symmetric memory, message <= oneshot_max_bytes):
         comm = this rank's symmetric buffer       peer<p> = rank p's buffer (peer<rank> is comm)

@@ -169,9 +169,12 @@ def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
                             f"{a.torch_dtype}{list(a.shape)} (a binding bug: please report it)")
     if t.is_contiguous() and t.data_ptr() % a.align == 0:
         return t
-    if a.role in ("state", "comm"):  # written in place / shared with peers: a copy would lose the point
+    if a.role == "state":  # written in place: a copy would lose the update
         raise RuntimeError_(f"{kernel}: state argument {a.name} is not a compact, {a.align}-byte aligned view of "
                             f"the decode state; allocate the state with model.new_state(...)")
+    if a.role == "comm":  # shared with the peer ranks: a copy would be invisible to them
+        raise RuntimeError_(f"{kernel}: communication buffer {a.name} is not a compact, {a.align}-byte aligned "
+                            f"tensor (a k3compile.comm bug: please report it)")
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
@@ -321,8 +324,9 @@ class Binding:
         return self._residual(res, a, _single(g(w=a["weight"], x=a["y"])), a["prefix"])
 
     def _ffn_sum(self, a, kernels):
-        """(kernel that adds the FFN output to the prefix, its unreduced input): the routed partial itself,
-        or with a latent up-projection ``r + all_reduce(partial)`` from the add kernel (which all-reduces)."""
+        """What the final residual kernel adds to the prefix: the routed partial itself (that kernel
+        all-reduces it), or with a latent up-projection ``r + all_reduce(partial)`` from the add kernel
+        (which all-reduces the partial, so the final kernel takes its output as it is)."""
         if a["latent_partial"] is None:
             return a["partial"]
         up, add = kernels
