@@ -8,9 +8,20 @@ machine: ``k3compile codegen --config slice:2 --tp 8 --buckets 1,16 --max-contex
 
 * per node: every dialect node's kernels against its eager op on the same inputs (shadow), batch 1 and
   13 padded into bucket 16, relative error <= 2e-2; coverage proof clean, no eager fallback;
-* end to end: 256 steps through the CUDA graphs, teacher-forced on eager's greedy tokens, median logit
-  error <= 2e-2 and top-1 agreement >= 0.95 against eager bf16; the launch counters show every planned
-  kernel ran on every step.
+* end to end: 256 steps through the CUDA graphs against the same lowered graph run through the K3
+  dialect's eager ops, teacher-forced on the latter's greedy tokens: median logit error <= 2e-2, top-1
+  agreement >= 0.95; the launch counters show every planned kernel ran on every step.
+
+Why the end-to-end reference is the eager *graph*, not ``model.decode``: under emulation the two compute
+different functions. ``shard_routing`` computes the router and the latent down-projection as rank-local
+shards plus an all-gather, which on a fake process group replicates rank 0's shard, while the eager
+model computes them whole (measured on the H200, 2026-11-29: every node within 2e-2 of its eager op, the
+step against ``model.decode`` 0.95 apart; with ``shard_routing`` off the eager graph equals ``model.decode``
+bit for bit). On real ranks the two agree (tests/gpu/test_tp_gpu.py). And why the routing gets a margin:
+random router weights put the 16th and 17th of 896 expert scores a rounding error apart, so any bf16
+difference swaps experts and the comparison would measure those coin flips; a score bias that puts 16
+experts clearly ahead keeps the selection stable and leaves the kernels' arithmetic to be measured (the
+per-node test above runs the unbiased router).
 """
 
 import os
@@ -52,6 +63,22 @@ def _compile(model, package, bucket, **options):
     return k3compile.compile(model, buckets=(bucket,), options={"kernels": f"package:{package[0]}", **options})
 
 
+@pytest.fixture(scope="module")
+def margin_model():
+    """Another random slice whose MoE layers route every token to the same 16 experts by a clear margin."""
+    from k3compile.bench import build_model
+    from k3compile.models import k3_slice
+
+    model = build_model(k3_slice(2), TP, seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.zero_()  # 16 of rank 0's own experts (the first 1/TP of the ids), so its expert kernels work
+                local = p.numel() // TP
+                p[torch.randperm(local, generator=torch.Generator().manual_seed(5))[:16]] = 4.0
+    return model
+
+
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (13, 16)])
 def test_real_shape_kernels_match_eager_ops(slice_model, slice_package, batch, bucket):
     runtime.reset_launch_counts()
@@ -70,18 +97,20 @@ def test_real_shape_kernels_match_eager_ops(slice_model, slice_package, batch, b
 
 
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (16, 16)])
-def test_real_shape_256_steps_follow_eager(slice_model, slice_package, batch, bucket):
+def test_real_shape_256_steps_follow_the_eager_graph(margin_model, slice_package, batch, bucket):
+    model = margin_model
+    reference = _compile(model, slice_package, bucket, kernels="eager")  # the lowered graph, eager dialect ops
     runtime.reset_launch_counts()
-    step = _compile(slice_model, slice_package, bucket)
+    step = _compile(model, slice_package, bucket)
     cap = slice_package[1]
-    s_eager, s_k3 = slice_model.new_state(bucket, cap), slice_model.new_state(bucket, cap)
-    ids = torch.arange(batch, device="cuda") * 97 % (slice_model.config.vocab_size // TP)
+    s_ref, s_k3 = model.new_state(bucket, cap), model.new_state(bucket, cap)
+    ids = torch.arange(batch, device="cuda") * 97 % (model.config.vocab_size // TP)
     errs, agree = [], []
     for _ in range(256):
-        ref, out = slice_model.decode(ids, s_eager), step(ids, s_k3)
+        ref, out = reference(ids, s_ref), step(ids, s_k3)
         errs.append(float((out.double() - ref.double()).norm() / ref.double().norm()))
         agree.append(float((out.argmax(-1) == ref.argmax(-1)).float().mean()))
-        ids = ref.argmax(-1)
+        ids = ref.argmax(-1) % (model.config.vocab_size // TP)  # stay in rank 0's vocabulary shard
     med = torch.tensor(errs).median().item()
     top1 = sum(agree) / len(agree)
     print(f"real shapes, batch {batch}: median logit error {med:.4g}, max {max(errs):.4g}, top-1 {top1:.3f}")
