@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from .comm import leave, torchrun_world
 from .kernel_check import measure_copy_bandwidth
 
 SYSTEMS = ("eager", "inductor", "k3compile", "k3compile-nccl")
@@ -52,28 +53,18 @@ class Row:
         return self.us_per_step / self.floor_us
 
 
-def real_tp() -> int:
-    """The world size when launched by torchrun (several processes), else 1."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _init_tp(tp: int) -> int:
     """This process's rank: real ranks under torchrun (NCCL, one GPU each), else rank 0 of a fake group."""
     import torch.distributed as dist
 
-    world = real_tp()
+    from .comm import init_ranks, torchrun_world
+
+    world = torchrun_world()
     if world > 1:
         if world != tp:
             raise SystemExit(f"torchrun started {world} processes but --tp is {tp}: pass --tp {world} (one GPU "
                              f"per rank), or run without torchrun for single-GPU emulation")
-        for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                         ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(var, val)  # NVLink multicast stays off
-        if not dist.is_initialized():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        return dist.get_rank()
+        return init_ranks()
     if tp == 1 or dist.is_initialized():
         return 0
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -195,7 +186,7 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                     row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 if tp > 1:
                     row.note = (row.note + "; " if row.note else "") + (
-                        f"real TP over {tp} GPUs, communication included" if real_tp() > 1
+                        f"real TP over {tp} GPUs, communication included" if torchrun_world() > 1
                         else "per-rank compute, communication excluded")
                 rows.append(row)
                 log(_fmt(row))
@@ -297,14 +288,8 @@ def main(args) -> int:
         print(table(res))
         if args.png:
             plot(res, args.png)
-    if real_tp() > 1 and dist.is_initialized():
-        # torch 2.11: destroy_process_group() hangs while CUDA graphs that captured NCCL collectives are alive
-        # (the compiled steps keep theirs): every rank is done, so the process leaves without the teardown
-        dist.barrier()
-        torch.cuda.synchronize()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if torchrun_world() > 1 and dist.is_initialized():
+        leave(0)
     return 0
 
 

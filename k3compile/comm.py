@@ -35,6 +35,52 @@ import torch
 log = logging.getLogger("k3compile")
 
 ONESHOT_MAX_BYTES = 1 << 20  # one rank's message; K3 (hidden 7168, bf16): every bucket up to 64 rows
+# NVLink multicast stays off: a program using it can take a shared host's GPUs out of service
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def torchrun_world() -> int:
+    """The world size when started by torchrun (several processes), else 1."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_ranks() -> int:
+    """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), unless one is
+    already initialised: NCCL with one GPU per rank and NVLink multicast off, or gloo without CUDA.
+    Returns this process's rank."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            for var, val in MULTICAST_OFF.items():
+                os.environ.setdefault(var, val)
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
+def leave(rc: int = 0) -> None:
+    """End a multi-rank process once every rank is done. torch 2.11's ``destroy_process_group()`` hangs
+    while CUDA graphs that captured NCCL collectives are alive (compiled steps keep theirs), so the
+    process exits without the teardown."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 class CommError(RuntimeError):

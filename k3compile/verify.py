@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import runtime
+from . import comm, runtime
 
 # Acceptance thresholds (stated in the report).
 SHADOW_TOL = 2e-2  # per node: kernels (or their references) vs the eager op on the same inputs
@@ -84,17 +84,9 @@ def _rank(tp: int) -> int:
            f"rank; gloo on CPUs). Single-device TP emulation replaces the collectives with the identity, which "
            f"computes another function than the model, so there is nothing to verify it against")
     if not dist.is_initialized():
-        if int(os.environ.get("WORLD_SIZE", "1")) != tp:
+        if comm.torchrun_world() != tp:
             raise SystemExit(f"verify --tp {tp} runs on {tp} real ranks: {how}")
-        if torch.cuda.is_available():
-            for var in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
-                os.environ.setdefault(var, "0" if var.startswith("NCCL") else "1")
-            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # NVLink multicast stays off
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        else:
-            dist.init_process_group("gloo")
+        comm.init_ranks()
     if dist.get_backend() == "fake" or dist.get_world_size() != tp:
         raise SystemExit(f"verify --tp {tp}: the process group is {dist.get_backend()} with "
                          f"{dist.get_world_size()} ranks; {how}")
@@ -462,10 +454,5 @@ def main(args) -> int:
                           default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
     rc = 0 if res["ok"] else 1
     if args.tp > 1 and dist.is_initialized():
-        # torch 2.11: destroy_process_group() hangs while CUDA graphs that captured NCCL collectives are alive
-        # (the compiled steps keep theirs): every rank is done, so the process leaves without the teardown
-        dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        comm.leave(rc)
     return rc

@@ -23,18 +23,10 @@ import os
 import sys
 import time
 
-for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[var] = val  # NVLink multicast stays off (shared host)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-
-def _setup() -> tuple[int, int]:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    return dist.get_rank(), dist.get_world_size()
+from k3compile import comm
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -74,7 +66,7 @@ def _graph_us(fn, replays: int = 200) -> float:
 
 
 def check_allreduce(args, rank: int, world: int) -> dict:
-    from k3compile import comm, runtime
+    from k3compile import runtime
     from k3compile.package import KernelPackage
 
     pkg = KernelPackage(args.package)
@@ -227,7 +219,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--watchdog", type=float, default=0, help="seconds before stacks are dumped and it exits")
     args = ap.parse_args()
-    rank, world = _setup()
+    rank, world = comm.init_ranks(), comm.torchrun_world()  # NCCL, NVLink multicast off
     t0 = time.time()
     if args.watchdog:  # a hang (a collective or flag wait that never completes) prints every thread's stack
         import faulthandler
@@ -240,13 +232,7 @@ def main() -> int:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
             print(json.dumps(res, indent=1)[:6000])
-        # torch 2.11: destroy_process_group() hangs while CUDA graphs that captured NCCL collectives are alive
-        # (the compiled steps keep theirs); every rank is done here, so leave without tearing down
-        dist.barrier()
-        torch.cuda.synchronize()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        comm.leave(0)  # no destroy_process_group (it hangs on torch 2.11: see k3compile.comm.leave)
     except BaseException:
         import traceback
 
