@@ -1,5 +1,12 @@
 """``k3compile bench``: the whole decode step, eager vs Inductor vs k3compile, in one process on one GPU.
 
+The baselines (issue #6): ``eager`` (the reference model: MXFP4 experts dequantised on the fly),
+``eager-bf16`` (the same model with the routed experts served from bf16 copies dequantised once, for the
+bench only), both also captured once into a CUDA graph and replayed per step (``eager-graph``,
+``eager-bf16-graph``), and ``inductor`` (``torch.compile``). The eager decode validates its inputs with a
+host sync (``check_decode_inputs`` in models/model.py), which a CUDA graph cannot capture: while it does,
+the ``-graph`` rows carry that failure (and the line that raised it) as their note.
+
 For every (context, bucket) the same model, state and tokens run through each system; each figure is the
 mean over ``--steps`` consecutive decode steps (the state advances, as in serving) between CUDA events,
 after warm-up. Beside it: the HBM floor of the step (bytes the plan says must move -- weights, the
@@ -19,19 +26,41 @@ reports its own times (the ranks run in lockstep).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 
 from .comm import leave, torchrun_world
 from .kernel_check import measure_copy_bandwidth
 
-SYSTEMS = ("eager", "inductor", "k3compile", "k3compile-nccl")
+# Every system, in the order run_model runs them: k3compile first (its lowered graph gives the floor),
+# Inductor last (see run_model)
+SYSTEMS = ("k3compile", "k3compile-nccl", "eager", "eager-bf16", "eager-graph", "eager-bf16-graph", "inductor")
+# Every single-GPU baseline beside k3compile (k3compile-nccl only differs under torchrun): run()'s default, and
+# the CLI's --systems default
+DEFAULT_SYSTEMS = ("eager", "eager-bf16", "eager-graph", "eager-bf16-graph", "inductor", "k3compile")
+SYSTEMS_HELP = ("comma-separated: eager (MXFP4 experts dequantised on the fly), eager-bf16 (experts pre-dequantised "
+                "to bf16), eager-graph and eager-bf16-graph (the same inside one CUDA graph), inductor, k3compile, "
+                "k3compile-nccl (TP > 1: NCCL all-reduce before the residual kernels instead of their one-shot "
+                "all-reduce)")
+
+
+def check_systems(systems) -> tuple:
+    """``systems`` as a tuple, or a ValueError naming the unknown ones (before any model is built)."""
+    systems = tuple(systems)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise ValueError(f"unknown bench system(s) {unknown}; choose from {', '.join(SYSTEMS)}" if unknown
+                         else f"no bench systems given; choose from {', '.join(SYSTEMS)}")
+    return systems
 
 
 @dataclasses.dataclass
@@ -47,6 +76,7 @@ class Row:
     floor_us: float = float("nan")
     extra_mem_mb: float = float("nan")
     note: str = ""
+    kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us"}] per step, slowest first
 
     @property
     def x_floor(self) -> float:
@@ -108,23 +138,35 @@ def _time_steps(fn, steps: int) -> float:
     return s.elapsed_time(e) * 1e3 / steps
 
 
-def _count_kernels(fn) -> int:
+def _profile_kernels(fn, steps: int = 3) -> tuple[int, list[dict]]:
+    """Kernel launches per step and the per-kernel GPU time per step (profiler, ``steps`` steps averaged):
+    [{"name", "calls", "us"}], slowest first. Copies and memsets are not kernels and are not counted."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "Memcpy" not in e.name and "Memset" not in e.name)
+    calls: dict = {}
+    us: dict = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or "Memcpy" in e.name or "Memset" in e.name:
+            continue
+        calls[e.name] = calls.get(e.name, 0) + 1
+        us[e.name] = us.get(e.name, 0.0) + e.device_time
+    per = [{"name": n, "calls": calls[n] / steps, "us": us[n] / steps} for n in calls]
+    per.sort(key=lambda k: -k["us"])
+    return round(sum(calls.values()) / steps), per
 
 
 def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[int], contexts: list[int],
-        package: str | None, systems: tuple = SYSTEMS, steps: int = 20, log=print, partial=None) -> dict:
+        package: str | None, systems: tuple = DEFAULT_SYSTEMS, steps: int = 20, log=print, partial=None) -> dict:
     """``partial(result)`` is called after every row (the JSON survives a crash half-way)."""
     from .models import k3_mini, k3_slice
 
+    systems = check_systems(systems)  # a typo fails here, not as a note on every row after the model is built
     if not torch.cuda.is_available():
         raise SystemExit("k3compile bench needs a CUDA GPU (it times kernels); run it on the GPU host")
     bw = measure_copy_bandwidth()
@@ -153,7 +195,7 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
     nl = config.num_hidden_layers
     # k3compile first (its lowered graph gives the floor), Inductor last: on torch 2.11 a Dynamo capture with
     # a dynamic batch after an Inductor compile of the same function can fail to trace
-    order = [s for s in ("k3compile", "k3compile-nccl", "eager", "inductor") if s in systems] + [s for s in systems if s not in SYSTEMS]
+    order = [s for s in SYSTEMS if s in check_systems(systems)]
     floors: dict = {}
     for system in order:
         for ctx in contexts:
@@ -169,33 +211,62 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                 gen = torch.Generator().manual_seed(1000 * b + ctx)  # the same tokens on every rank
                 ids = torch.randint(0, config.vocab_size // tp, (b,), generator=gen).cuda()
                 state.lengths.fill_(ctx)
-                mem0 = torch.cuda.memory_allocated()
                 row = Row(config.name, nl, tp, ctx, b, system)
                 fn = lowered = None
-                try:
-                    fn, lowered = _system(system, model, state, ids, b, package)
-                    fn()  # compiles (k3compile, Inductor), warms up
-                    if (ctx, b) not in floors:
-                        floors[ctx, b] = _floor_us(lowered() if lowered else None, model, state, ids, tp, b, ctx, bw)
-                    row.floor_us = floors[ctx, b]
-                    state.lengths.fill_(ctx)
-                    row.us_per_step = _time_steps(fn, steps)
-                    row.launches = _count_kernels(fn)
-                    row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
-                except Exception as e:  # a baseline that cannot run is reported, not hidden
-                    row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                # the row's patches (eager-bf16's expert copies) live exactly as long as the row
+                with contextlib.ExitStack() as stack:
+                    try:
+                        if (ctx, b) not in floors and not system.startswith("k3compile"):
+                            # no k3compile row gave the floor: compile with eager kernels now, before this
+                            # system patches the model (eager-bf16) or captures it, outside its extra memory
+                            floors[ctx, b] = _floor_us(None, model, state, ids, tp, b, ctx, bw)
+                            state.lengths.fill_(ctx)
+                        mem0 = torch.cuda.memory_allocated()
+                        fn, lowered = _system(system, model, state, ids, b, package, stack)
+                        fn()  # compiles (k3compile, Inductor), warms up
+                        if (ctx, b) not in floors:
+                            floors[ctx, b] = _floor_us(lowered() if lowered else None, model, state, ids, tp, b,
+                                                       ctx, bw)
+                        row.floor_us = floors[ctx, b]
+                        state.lengths.fill_(ctx)
+                        row.us_per_step = _time_steps(fn, steps)
+                        row.launches, row.kernels = _profile_kernels(fn)
+                        row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
+                    except Exception as e:  # a baseline that cannot run is reported, not hidden
+                        row.note = _note(e)
                 if tp > 1:
                     row.note = (row.note + "; " if row.note else "") + (
                         f"real TP over {tp} GPUs, communication included" if torchrun_world() > 1
                         else "per-rank compute, communication excluded")
                 rows.append(row)
                 log(_fmt(row))
+                if row.kernels and system.startswith("k3compile"):
+                    log(_fmt_kernels(row.kernels))
                 if partial:
                     partial(_result(bw, rows))
                 fn = lowered = state = None  # the closures hold the state: drop both before the next row
                 gc.collect()
                 torch.cuda.empty_cache()
     return rows
+
+
+def _note(e: BaseException) -> str:
+    """One line for a row that could not run: the exception, what it interrupted if it was raised while
+    handling another (a failed CUDA graph capture raises again when the capture is closed), and the line
+    outside torch that raised the first one (for a capture: the host sync that is not capturable)."""
+    def line(x):
+        return f"{type(x).__name__}: {(str(x).splitlines() or [''])[0][:160]}"
+
+    note, first = line(e), e
+    while first.__cause__ or first.__context__:
+        first = first.__cause__ or first.__context__
+    if first is not e:
+        note += f" (after {line(first)})"
+    ours = [f for f in traceback.extract_tb(first.__traceback__)
+            if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.endswith(f"{os.sep}bench.py")]
+    if ours:
+        note += f" at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno} {ours[-1].name}"
+    return note
 
 
 def _result(bw: float, rows: list[Row]) -> dict:
@@ -216,11 +287,16 @@ def _package_context(package: str) -> int:
         return json.load(fh)["max_context"]
 
 
-def _system(system: str, model, state, ids, bucket: int, package: str | None):
+def _system(system: str, model, state, ids, bucket: int, package: str | None, stack: contextlib.ExitStack):
+    """(one decode step, the lowered graph or None) for ``system``; what must be undone after the row (the
+    bf16 expert patch) is entered into ``stack``."""
     import k3compile
 
-    if system == "eager":
-        return (lambda: model.decode(ids, state)), None
+    if system.startswith("eager"):
+        if "bf16" in system:
+            stack.enter_context(bf16_experts(model))
+        fn = lambda: model.decode(ids, state)  # noqa: E731
+        return (_cuda_graph(fn) if system.endswith("-graph") else fn), None
     if system == "inductor":
         torch._dynamo.reset()
         f = torch.compile(model.decode, dynamic=False)
@@ -235,6 +311,107 @@ def _system(system: str, model, state, ids, bucket: int, package: str | None):
         step = k3compile.compile(model, buckets=(bucket,), options=opts)
         return (lambda: step(ids, state)), lambda: step.dispatchers[-1].lowered[bucket]
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+@contextlib.contextmanager
+def _unchecked_inputs():
+    """The decode's input check (``k3model::check_decode_inputs``) without its host synchronisation, which a
+    CUDA graph cannot capture: it only returns the write positions. The warm-up steps before the capture ran
+    the real check on the same tensors; k3compile's rows skip it the same way (``check_inputs=False``)."""
+    ns = torch.ops.k3model
+    ns.check_decode_inputs = lambda token_ids, lengths, vocab_size, max_context: lengths.clone()
+    try:
+        yield
+    finally:
+        del ns.check_decode_inputs  # the namespace looks the real op up again on next access
+
+
+def _cuda_graph(fn, warmup: int = 3):
+    """``fn`` captured once into a CUDA graph; returns its replay. Warmed up on a side stream first, as
+    torch.cuda.graph requires (lazy initialisation, cuBLAS workspaces and first allocations stay out of the
+    capture). The replay reads and writes the tensors the capture saw: the state advances in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    rng = torch.cuda.default_generators[torch.cuda.current_device()]
+    clean = rng.clone_state()
+    try:
+        with torch.cuda.graph(graph), _unchecked_inputs():
+            fn()
+    except BaseException:
+        # a capture that fails (a host sync in fn) never reaches the capture's epilogue: the device's default
+        # generator stays in capture mode and every later random op (Inductor's compile, torch.randint for the
+        # next row's tokens) raises "Offset increment outside graph capture"; put back its state from before
+        rng.graphsafe_set_state(clean)
+        raise
+    return graph.replay  # the bound method keeps the graph (and its memory pool) alive as long as the row
+
+
+def _dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, chunk: int = 32) -> torch.Tensor:
+    """Stacked MXFP4 experts ``[E, out, in/2]`` -> ``[E, out, in]`` in ``dtype``, ``chunk`` experts at a time:
+    dequantize's fp32/int64 temporaries for a whole layer at real shapes would be several times its bf16."""
+    from .models.mxfp4 import dequantize
+
+    out = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=dtype, device=packed.device)
+    for e in range(0, packed.shape[0], chunk):
+        out[e:e + chunk] = dequantize(packed[e:e + chunk], scale[e:e + chunk], dtype)
+    return out
+
+
+@contextlib.contextmanager
+def bf16_experts(model):
+    """For the bench only: every LatentMoE's routed experts run from bf16 copies of their MXFP4 weights,
+    dequantised once on entry, instead of dequantising the selected experts every step.
+
+    The experts are computed as ops.latent_moe_experts' per-token path without its dequantize: gather the
+    selected experts' bf16 weights, matmul, SiTU-GLU, matmul, late routing weights summed in fp32 (so the
+    result is that path's, bit for bit). The model is not modified: ``ops.latent_moe_experts`` (looked up
+    at call time by LatentMoE.forward) is swapped for a function that serves these modules' expert tensors
+    and passes any other call through; restored, and the copies dropped, on exit. At real shapes the copies
+    are ~7.4 GB per layer (TP 8 shard), counted in the row's extra memory.
+    """
+    from .models.layers import LatentMoE
+
+    copies: dict = {}  # id(experts_w1_packed) -> (experts_w1_packed, w1, w3, w2)
+    ops_modules: dict = {}  # id -> the ops module each LatentMoE class calls (one, unless imported twice)
+    for m in model.modules():
+        if isinstance(m, LatentMoE):
+            ops_mod = inspect.getmodule(type(m)).ops
+            ops_modules[id(ops_mod)] = ops_mod
+            w1, w3, w2 = (_dequantize_experts(getattr(m, f"experts_{w}_packed"), getattr(m, f"experts_{w}_scale"),
+                                              model.dtype) for w in ("w1", "w3", "w2"))
+            copies[id(m.experts_w1_packed)] = (m.experts_w1_packed, w1, w3, w2)
+    originals = {k: mod.latent_moe_experts for k, mod in ops_modules.items()}
+
+    def patched(original, situ_glu):
+        def latent_moe_experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                               beta, linear_beta):
+            hit = copies.get(id(w1_packed))
+            if hit is None or hit[0] is not w1_packed or hit[1].dtype != z.dtype:  # not ours: the model's op
+                return original(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                                beta, linear_beta)
+            _, w1, w3, w2 = hit
+            zb = z[:, None, None, :]  # [B, 1, 1, L]
+            gate = torch.matmul(zb, w1[ids].transpose(-1, -2))[..., 0, :]  # [B, k, I]
+            up = torch.matmul(zb, w3[ids].transpose(-1, -2))[..., 0, :]
+            h = situ_glu(gate, up, beta, linear_beta)
+            y = torch.matmul(h[..., None, :], w2[ids].transpose(-1, -2))[..., 0, :]  # [B, k, L]
+            return (y.float() * weights[..., None].float()).sum(1).to(z.dtype)
+
+        return latent_moe_experts
+
+    for k, mod in ops_modules.items():
+        mod.latent_moe_experts = patched(originals[k], mod.situ_glu)
+    try:
+        yield copies
+    finally:
+        for k, mod in ops_modules.items():
+            mod.latent_moe_experts = originals[k]
+        copies.clear()
 
 
 def per_layer(rows: list[Row]) -> list[dict]:
@@ -252,20 +429,31 @@ def per_layer(rows: list[Row]) -> list[dict]:
 
 
 def _fmt(r: Row) -> str:
-    return (f"{r.config:<10} L{r.layers:<3} tp{r.tp} ctx {r.context:>6} b{r.bucket:<3} {r.system:<10} "
+    return (f"{r.config:<10} L{r.layers:<3} tp{r.tp} ctx {r.context:>6} b{r.bucket:<3} {r.system:<16} "
             f"{r.us_per_step:>10.1f} us  floor {r.floor_us:>8.1f} us  x{r.x_floor:>6.2f}  launches {r.launches:>5}  "
             f"+mem {r.extra_mem_mb:>8.1f} MB  {r.note}")
 
 
+def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:
+    """The slowest kernels of one step (µs per step, calls per step), and what the rest add up to."""
+    total = sum(k["us"] for k in kernels)
+    lines = [f"    {k['us']:9.1f} us {100 * k['us'] / total:5.1f} %  x{k['calls']:<5g} {k['name'][:90]}"
+             for k in kernels[:top]]
+    rest = kernels[top:]
+    if rest:
+        lines.append(f"    {sum(k['us'] for k in rest):9.1f} us in {len(rest)} more kernels")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
-    lines = [f"{'config':<10} {'L':<4} tp ctx        bucket system        us/step       floor      x floor  "
+    lines = [f"{'config':<10} {'L':<4} tp ctx        bucket system              us/step       floor      x floor  "
              f"launches  extra memory"]
     for r in result["rows"]:
-        lines.append(_fmt(Row(**{k: v for k, v in r.items() if k != "x_floor"})))
+        lines.append(_fmt(Row(**{k: v for k, v in r.items() if k not in ("x_floor", "kernels")})))
     if result["per_layer"]:
         lines.append("\nper layer (T(n layers) - T(n-1 layers)):")
         for p in result["per_layer"]:
-            lines.append(f"  layer {p['layer']} ctx {p['context']} b{p['bucket']} {p['system']:<10} {p['us']:8.1f} us "
+            lines.append(f"  layer {p['layer']} ctx {p['context']} b{p['bucket']} {p['system']:<16} {p['us']:8.1f} us "
                          f"floor {p['floor_us']:7.1f} us  x{p['us'] / p['floor_us']:5.2f}  launches {p['launches']}")
     return "\n".join(lines)
 
@@ -293,7 +481,8 @@ def main(args) -> int:
     return 0
 
 
-COLORS = {"eager": (214, 39, 40), "inductor": (255, 127, 14), "k3compile": (31, 119, 180),
+COLORS = {"eager": (214, 39, 40), "eager-bf16": (148, 103, 189), "eager-graph": (227, 119, 194),
+          "eager-bf16-graph": (140, 86, 75), "inductor": (255, 127, 14), "k3compile": (31, 119, 180),
           "k3compile-nccl": (44, 160, 44)}
 
 
@@ -348,15 +537,19 @@ def plot(result: dict, path: str, *, layers: int | None = None, context: int | N
                 cv.rect(x - 1, y - 1, x + 2, y + 2, color)
 
     line([(x_of[b], y_of(floor[b])) for b in buckets], black, dashed=True)
-    lx = L + 10
-    for s, pts in series.items():
+    lx, ly = L + 10, 30
+    for s, pts in [*series.items(), ("- - HBM FLOOR", None)]:
+        if lx + 18 + 8 * len(s) > W - 10:  # seven systems do not fit one legend line: wrap
+            lx, ly = L + 10, ly + 13
+        if pts is None:
+            cv.text(lx, ly, s, scale=2)
+            break
         col = COLORS.get(s, (44, 160, 44))
         line([(x_of[b], y_of(v)) for b, v in sorted(pts.items())], col)
         for b, v in pts.items():
             cv.rect(x_of[b] - 3, y_of(v) - 3, x_of[b] + 4, y_of(v) + 4, col)
-        cv.rect(lx, 34, lx + 14, 42, col)
-        cv.text(lx + 18, 34, s.upper(), scale=2)
+        cv.rect(lx, ly, lx + 14, ly + 8, col)
+        cv.text(lx + 18, ly, s.upper(), scale=2)
         lx += 18 + 8 * len(s) + 20
-    cv.text(lx, 34, "- - HBM FLOOR", scale=2)
     with open(path, "wb") as fh:
         fh.write(cv.png())

@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--layers", type=int, help="depth to plot (default: the deepest)")
     bp.add_argument("--context", type=int, help="context to plot (default: the first)")
     bp.set_defaults(func=cmd_bench_plot)
+    from . import bench  # its system names (imports torch; the CLI does already)
+
     be = sub.add_parser("bench", help="time the whole decode step: eager vs Inductor vs k3compile (GPU)",
                         description="One process, one GPU, the same model, state and tokens for every system: "
                                     "µs per step, kernel launches, the HBM floor (plan bytes / copy bandwidth "
@@ -200,9 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--context", type=_int_list, default=(1024,), help="tokens already in each sequence")
     be.add_argument("--package", help="kernel package (codegen --package; its --max-context is the state's "
                                       "capacity); '{layers}' in it is replaced by the depth (--layers)")
-    be.add_argument("--systems", type=lambda s: s.split(","), default=["eager", "inductor", "k3compile"],
-                    help="comma-separated: eager, inductor, k3compile, k3compile-nccl (TP > 1: NCCL all-reduce "
-                         "before the residual kernels instead of their one-shot all-reduce)")
+    be.add_argument("--systems", type=lambda s: s.split(","), default=list(bench.DEFAULT_SYSTEMS),
+                    help=bench.SYSTEMS_HELP)
     be.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
     be.add_argument("--json", default="bench.json", help="where to write the results")
     be.add_argument("--png", default="bench.png", help="plot: µs per step vs batch per system, floor dashed")

@@ -219,18 +219,58 @@ class _Uncovered(Exception):
     pass
 
 
+PROLOGUE_SPLIT_BUCKET = 8  # from this bucket a GEMV's RMSNorm prologue is its own kernel (see _split_prologues)
+
+
+def _split_prologues(specs: list, *, rms_norm: bool) -> tuple[list, bool]:
+    """Each GEMV with a SiTU-GLU prologue (always) or an RMSNorm prologue (``rms_norm``) as [prologue kernel,
+    plain GEMV]. A fused prologue forms xin for every group of weight rows a warp takes (N / ROWS times per
+    element). For RMSNorm that is a multiply per element (rstd is computed once per CTA): free at batch 1-4,
+    where the weights dominate, but at batch 64 most of the time (measured on the H200 at K3 TP8 shapes: the
+    lm_head 1.52 ms). SiTU-GLU costs an exp and two tanh per element, which dominates already at batch 1 (the
+    dense layer's down-projection, K 4224: 54 us fused against a 14.5 us weight floor). Computed once, either
+    costs one small launch. SiTU-GLU is elementwise with the prologue's exact ops, so splitting it changes no
+    bit; the rms_norm kernel sums a row's squares in another order than the prologue."""
+    out, split = [], False
+    for t, params in specs:
+        pro = params.get("pro", "none") if t == "gemv" else "none"
+        if pro == "rms_norm" and rms_norm and params["k"] % 256 == 0:  # the rms_norm template's row-length rule
+            out.append(("rms_norm", dict(bucket=params["bucket"], n=params["k"], eps=params["eps"])))
+        elif pro == "situ":
+            out.append(("situ_glu", dict(bucket=params["bucket"], k=params["k"], beta=params["beta"],
+                                         linear_beta=params["linear_beta"])))
+        else:
+            out.append((t, params))
+            continue
+        out.append((t, {**params, "pro": "none"}))
+        split = True
+    return out, split
+
+
 def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> tuple[list, str]:
     """(template, params) specs and a note for one dialect node at one (bucket, TP).
 
-    ``batch_invariant``: every bucket reduces each row in the same order as bucket 1. GEMV, expert,
-    residual, norm and KDA kernels already do (one row's reduction never depends on the other rows or on
-    the bucket's tiling); the MLA split-context decode picks fewer context splits for larger buckets, so
-    here it takes bucket 1's split count (more CTAs and workspace at large buckets, same sums)."""
+    A GEMV's SiTU-GLU prologue, and from bucket PROLOGUE_SPLIT_BUCKET its RMSNorm prologue, runs as its own
+    kernel before a plain GEMV (_split_prologues). ``batch_invariant``: every bucket reduces each row in the
+    same order as bucket 1, so RMSNorm prologues stay fused (the rms_norm kernel sums a row's squares in
+    another order than the GEMV prologue), GEMVs keep the FMA path (the tensor-core path, from bucket 8,
+    permutes K inside each MMA) and moe_gate_up gives each expert's reduction to one warp (at batch 1 it
+    would split it over two); the other expert, residual, norm and KDA kernels already do (one row's reduction never depends on the other rows or on the bucket's tiling); the MLA
+    split-context decode picks fewer context splits for larger buckets, so here it takes bucket 1's split
+    count (more CTAs and workspace at large buckets, same sums)."""
     specs, note = _LOWERING[dialect.op_name(node)](node, bucket, tp)
+    specs, split = _split_prologues(specs, rms_norm=not batch_invariant and bucket >= PROLOGUE_SPLIT_BUCKET)
+    if split:
+        note = "; ".join(x for x in (note, "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel")
+                         if x)
     if batch_invariant:
         from .templates.mla_decode import default_splits
 
+        specs = [(t, {**params, "ksplit": 1}) if t == "moe_gate_up" else (t, params) for t, params in specs]
+        # ^ bucket 1 would split each expert's reduction over two warps, larger buckets do not
         for t, params in specs:
+            if t == "gemv":
+                params["mma"] = False  # the tensor-core path sums K in another order than bucket 1's FMA path
             if t == "mla_decode":
                 params["splits"] = default_splits(1, params["lmax"], params.get("chunk_min", 256))
     return specs, note

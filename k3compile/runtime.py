@@ -282,14 +282,24 @@ class Binding:
             res[i] = _gather(y, a["group"], self.tp) if gather[i] and self.tp > 1 else y
         return res
 
-    def _rms_norm_linear(self, a, g):
-        return _single(g(w=a["weight"], x=a["x"], norm_weight=a["norm_weight"]))
+    @staticmethod
+    def _normed_gemv(ks, w, x, norm_weight) -> dict:
+        """GEMV of rms_norm(x): one kernel (RMSNorm in its prologue), or from bucket 8 the rms_norm kernel then
+        a plain GEMV (codegen._split_prologues)."""
+        if len(ks) == 2:
+            return ks[1](w=w, x=ks[0](x=x, weight=norm_weight)["y"])
+        return ks[0](w=w, x=x, norm_weight=norm_weight)
 
-    def _lm_head(self, a, g):
-        return g(w=a["weight"], x=a["h"], norm_weight=a["norm_weight"])["y_f32"]
+    def _rms_norm_linear(self, a, *ks):
+        return _single(self._normed_gemv(ks, a["weight"], a["x"], a["norm_weight"]))
 
-    def _situ_linear(self, a, g):
-        return _single(g(w=a["weight"], gate=a["gate"], up=a["up"]))
+    def _lm_head(self, a, *ks):
+        return self._normed_gemv(ks, a["weight"], a["h"], a["norm_weight"])["y_f32"]
+
+    def _situ_linear(self, a, *ks):
+        if len(ks) == 2:  # the situ_glu kernel, then a plain GEMV (codegen._split_prologues)
+            return _single(ks[1](w=a["weight"], x=ks[0](gate=a["gate"], up=a["up"])["h"]))
+        return _single(ks[0](w=a["weight"], gate=a["gate"], up=a["up"]))
 
     # -- norms and residuals -----------------------------------------------------------------------
     def _rms_norm(self, a, k):
@@ -329,9 +339,9 @@ class Binding:
         (which all-reduces the partial, so the final kernel takes its output as it is)."""
         if a["latent_partial"] is None:
             return a["partial"]
-        up, add = kernels
+        *up, add = kernels  # up: the GEMV with its RMSNorm prologue, or the rms_norm kernel and the GEMV
         latent = _reduce(a["latent_partial"], a["group"], self.tp)
-        r = _single(up(w=a["up_weight"], x=latent, norm_weight=a["latent_norm_weight"]))
+        r = _single(self._normed_gemv(up, a["up_weight"], latent, a["latent_norm_weight"]))
         return add(prefix=r, **self._summed(add, a["partial"], a["group"]))["new_prefix"]  # r + sum, as eager
 
     def _ffn_tail_norm(self, a, *ks):

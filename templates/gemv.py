@@ -17,15 +17,17 @@ from .base import Arg, Template, const, need
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROLOGUES = ("none", "rms_norm", "situ")
 SMS = 132  # H200
+MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
 
 
 class Gemv(Template):
     name = "gemv"
     kernel_file = "gemv.py"
+    libs = ("mxfp4_lib.py",)  # mma_bf16_16816 (the tensor-core path)
     doc = "decode GEMM of a bf16 weight (warp per row, 128-bit loads), RMSNorm/SiTU prologue, fp32+bf16 outputs"
 
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
-                  beta: float = 4.0, linear_beta: float = 25.0) -> list:
+                  beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None) -> list:
         need(bucket in BUCKETS, f"gemv: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
@@ -52,6 +54,15 @@ class Gemv(Template):
         tasks = (n // rows) * (m // mb)
         cap = SMS * (2 if pro == "rms_norm" else 8)  # rms_norm: each CTA recomputes the batch's rstd
         grid = max(1, min(math.ceil(tasks / warps), cap))
+        # Tensor cores from batch 8 (plain GEMV: the prologues run as their own kernels there, see
+        # codegen._split_prologues): the FMA count grows with M while the bytes do not. mma=False keeps the
+        # FMA path (codegen --batch-invariant: bucket 1's reduction order at every bucket).
+        auto = m >= MMA_MIN_BUCKET and pro == "none" and k % 128 == 0
+        need(mma is not True or auto, f"gemv: mma=True needs bucket >= {MMA_MIN_BUCKET}, pro='none' and k % 128 == 0 "
+                                      f"(got bucket {m}, pro={pro!r}, k={k})")
+        use_mma = auto if mma is None else bool(mma)
+        if use_mma:
+            grid = math.ceil(n / 16)  # one CTA per 16-row tile; its warps split K
         return [const("M", m, "batch rows (the bucket)"), const("N", n, "rows of W (outputs per batch row)"),
                 const("K", k, "reduction length (a multiple of 8)"),
                 const("N_F32", n_f32, "the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output"),
@@ -63,7 +74,8 @@ class Gemv(Template):
                 const("MB", mb, "batch rows per warp task (batch chunk)"),
                 const("WARPS", warps, "warps per CTA"),
                 const("UNROLL", unroll, "K steps unrolled in the main loop (weight loads in flight per lane)"),
-                const("GRID", grid, "CTAs (they stride over the tasks)")]
+                const("GRID", grid, "CTAs (they stride over the tasks)"),
+                const("MMA", use_mma, "tensor cores (mma.sync, 16-row tiles, K split over the warps)")]
 
     def examples(self):
         from k3compile.models.config import get_config
@@ -99,6 +111,8 @@ class Gemv(Template):
         ex["mini_rmsnorm_k128_b2"] = {"bucket": 2, "n": mini.hidden_size, "k": 128, "pro": "rms_norm",
                                       "eps": mini.rms_norm_eps}
         ex["k3tp8_situ_k4224_b8"] = {"bucket": 8, "n": k3.hidden_size, "k": k3.intermediate_size // tp, **situ}
+        # tensor-core path with both outputs and a last row tile past N (6284 = 392 * 16 + 12)
+        ex["k3tp8_front_b32"] = {"bucket": 32, "n": 6284, "k": k3.hidden_size, "n_f32": k3.num_experts}
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex

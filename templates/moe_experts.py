@@ -22,14 +22,7 @@ _ROUTING = {"renormalize": True, "scaling_factor": 2.5}
 _SITU = {"beta": 4.0, "linear_beta": 25.0}
 _BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two <= cap dividing n."""
-    g = 1
-    while g * 2 <= cap and n % (g * 2) == 0:
-        g *= 2
-    return g
+GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 
 
 def _check_common(name, bucket, n_experts, top_k, latent, inter):
@@ -93,26 +86,40 @@ class _RoutedExperts(Template):
     """What the two launches of the routed experts share: their parameters and example points."""
 
     def examples(self):
-        return {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
-                for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
+        ex = {f"{cfg}_b{b}": {"bucket": b, **shape, **_ROUTING, **_SITU}
+              for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (1, 8, 64)}
+        # 6 MX blocks of reduction in down (K3 at TP 16: 3072 / 16 = 192): a partial last k-step
+        ex["mini_i192_b8"] = {"bucket": 8, **_MINI, "inter": 192, **_ROUTING, **_SITU}
+        return ex
 
 
 class MoeGateUp(_RoutedExperts):
     name = "moe_gate_up"
     kernel_file = "moe_gate_up.py"
-    libs = ("mxfp4_lib.py",)
-    doc = "router top-k + MXFP4 gate/up GEMVs + SiTU-GLU per (token, slot); prmt-LUT decode, 128-bit loads"
+    libs = ("mxfp4_lib.py", "moe_lib.py")
+    doc = ("router top-k + MXFP4 gate/up + SiTU-GLU, grouped by expert: each selected expert decoded once, "
+           "its tokens the N of mma.sync (bf16, fp32 accumulate); persistent CTAs")
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
-                  renormalize: bool, scaling_factor: float, beta: float, linear_beta: float) -> list:
+                  renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
+                  ksplit: int | None = None) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
+        need(ksplit in (None, 1, 2), f"{self.name}: ksplit={ksplit!r} must be 1, 2 or None (chosen by the bucket)")
         need(beta > 0 and linear_beta > 0, f"{self.name}: beta={beta} and linear_beta={linear_beta} must be > 0")
-        nb = latent // 32
-        g = _pow2_divisor(nb, 16)  # G lanes per row, 2G <= 32 so a warp has whole rows
-        rpw = 32 // g
-        warps = next((w for w in (8, 4, 2) if inter % ((w // 2) * rpw) == 0), None)
-        need(warps is not None, f"{self.name}: inter={inter} is not a multiple of {rpw} rows (a warp covers "
-                                f"32/G = {rpw} rows at latent={latent}); pad the intermediate size")
+        need(latent % 128 == 0, f"{self.name}: latent={latent} must be a multiple of 128 (a k-step of the MMA "
+                                f"quad covers 4 MX blocks); pad the latent size")
+        need(inter % 16 == 0, f"{self.name}: inter={inter} must be a multiple of 16 (MMA tiles of 16 rows); pad "
+                              f"the intermediate size")
+        tasks = min(n_experts, bucket * top_k) * (inter // 16)  # (active expert, row tile) at most
+        # warps per task: split the reduction (KSPLIT 2) only while there are fewer tasks than warps to run
+        # them; a warp with a whole task pipelines its k-steps and needs no shared-memory reduction. Register
+        # budget: 3 CTAs per SM (<= 170 registers) with whole tasks; the split variant needs more, 2 per SM.
+        wpc = GATE_UP_WARPS
+        if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
+            ksplit = 2 if tasks * 2 <= 2 * 132 * wpc and latent >= 256 else 1
+        need(ksplit == 1 or latent >= 256, f"{self.name}: ksplit=2 needs latent >= 256 (two k-steps)")
+        occ = 3 if ksplit == 1 else 2
+        ctas = min(-(-tasks // (wpc // ksplit)), occ * 132)
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"),
                 const("L", latent, "latent size (reduction length of gate/up)"),
@@ -121,8 +128,11 @@ class MoeGateUp(_RoutedExperts):
                 const("SCALING", float(scaling_factor), "routed scaling factor"),
                 const("BETA", float(beta), "SiTU gate beta"), const("LINEAR_BETA", float(linear_beta),
                                                                    "SiTU linear beta"),
-                const("G", g, "lanes sharing one weight row"),
-                const("WARPS", warps, "warps per CTA (half gate, half up)")]
+                const("WARPS", wpc, "warps per CTA"),
+                const("KSPLIT", ksplit, "warps sharing one task (they split its reduction); WARPS / KSPLIT tasks "
+                                        "per CTA at a time"),
+                const("CTAS", ctas, "persistent CTAs (tasks are strided over their task slots)"),
+                const("OCC", occ, "CTAs per SM (register budget: 65536 / (OCC * THREADS))")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
@@ -183,21 +193,20 @@ class MoeGateUp(_RoutedExperts):
 class MoeDownCombine(_RoutedExperts):
     name = "moe_down_combine"
     kernel_file = "moe_down_combine.py"
-    libs = ("mxfp4_lib.py",)
-    doc = "MXFP4 down GEMVs of the selected experts + routing-weighted combine in registers (no atomics)"
+    libs = ("mxfp4_lib.py", "moe_lib.py")
+    doc = ("MXFP4 down of the selected experts grouped by expert (mma.sync, tokens as N) + routing-weighted "
+           "combine in shared memory (deterministic, no atomics)")
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool = True, scaling_factor: float = 1.0, beta: float = 1.0,
                   linear_beta: float = 1.0) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
-        g = _pow2_divisor(inter // 32, 32)  # G lanes per (slot, row)
-        warps = next((w for w in (8, 4, 2, 1) if latent % w == 0), None)
-        need(warps is not None, f"{self.name}: latent={latent} has no warp count")
+        need(latent % 16 == 0, f"{self.name}: latent={latent} must be a multiple of 16 (MMA tiles of 16 output "
+                               f"rows); pad the latent size")
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"), const("L", latent, "latent size (rows of W2, outputs)"),
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
-                const("G", g, "lanes sharing one (slot, weight row)"),
-                const("WARPS", warps, "warps per CTA (one output element per warp)")]
+                const("WARPS", 4, "warps per CTA (they take the active experts in turn)")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

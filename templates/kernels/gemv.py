@@ -33,7 +33,9 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Uint32
+
+from k3compile.templates.kernels.mxfp4_lib import mma_bf16_16816
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -50,6 +52,7 @@ MB = 2  # batch rows per warp task (batch chunk)
 WARPS = 8  # warps per CTA
 UNROLL = 4  # K steps unrolled in the main loop (weight loads in flight per lane)
 GRID = 32  # CTAs (they stride over the tasks)
+MMA = False  # tensor cores (mma.sync, 16-row tiles, K split over the warps)
 # <<< constants
 
 VEC = 8  # bf16 per 128-bit load
@@ -61,6 +64,8 @@ TASKS = (N // ROWS) * MCHUNKS
 HAS_F32 = N_F32 > 0
 HAS_BF16 = N_F32 < N
 TWO_ACTS = PRO != "none"  # rms_norm: (x, norm_weight); situ: (gate, up)
+KC = K // 128  # tensor-core path: K steps of 128 (a quad of lanes covers 4 chunks of 32)
+NT = (M + 7) // 8  # tensor-core path: MMA column tiles of 8 batch rows
 
 
 class Kernel:
@@ -102,8 +107,12 @@ class Kernel:
         """mX: x (none, rms_norm) or gate (situ); mAux: norm_weight (rms_norm), up (situ) or None."""
         # min_blocks_per_mp=1: lets ptxas use the registers it needs (left alone, it trims some variants to
         # 64 registers for occupancy and spills).
-        self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
-                                                    min_blocks_per_mp=1)
+        if cutlass.const_expr(MMA):
+            self.kernel_mma(cute.recast_tensor(mW, Uint32), cute.recast_tensor(mX, Uint32), mYf, mYb).launch(
+                grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        else:
+            self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
+                                                        min_blocks_per_mp=1)
 
     @cute.jit
     def k_step(self, kv, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc):
@@ -213,4 +222,65 @@ class Kernel:
                             else:
                                 mYb[m0 + b, n - N_F32] = total.to(BFloat16)
 
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.kernel
+    def kernel_mma(self, mWq: cute.Tensor, mXq: cute.Tensor, mYf, mYb):
+        """Tensor-core path (MMA): CTA = 16 rows of W (the MMA's M), batch rows in NT column tiles of 8 (its N),
+        the WARPS warps split K and meet in shared memory. In a K step a quad (lanes 4g..4g+3) covers 128
+        elements, lane t loading 32 consecutive bf16 of rows g and g+8 (four 128-bit loads each) and the same
+        32 of its batch row: an MMA takes 4 of them per lane, a permutation of K that a dot product allows,
+        so the fragments come straight from the loads."""
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        tid = cute.arch.thread_idx()[0]
+        row0 = cute.arch.block_idx()[0] * 16
+        g = lane // 4
+        t = lane % 4
+        rg = cutlass.min(row0 + g, N - 1)  # the last tile may pass N: its loads repeat row N-1, its writes stop
+        rh = cutlass.min(row0 + g + 8, N - 1)
+        smem = cutlass.utils.SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16, NT * 8)), 16)
+        rW = cute.make_rmem_tensor((32,), Uint32)  # rows g, g + 8: 16 bf16 pairs each
+        rX = cute.make_rmem_tensor((16,), Uint32)
+        acc = cute.make_rmem_tensor((4 * NT,), Float32)
+        acc.fill(0.0)
+        cute.arch.griddepcontrol_wait()
+        for s in cutlass.range(warp, KC, WARPS, unroll=1):
+            kb = 4 * s + t  # this lane's chunk of 32 elements
+            cute.autovec_copy(cute.local_tile(mWq[rg, None], (16,), (kb,)), cute.local_tile(rW, (16,), (0,)))
+            cute.autovec_copy(cute.local_tile(mWq[rh, None], (16,), (kb,)), cute.local_tile(rW, (16,), (1,)))
+            for nt in cutlass.range_constexpr(NT):
+                tok = nt * 8 + g
+                if tok < M:
+                    cute.autovec_copy(cute.local_tile(mXq[tok, None], (16,), (kb,)), rX)
+                else:
+                    rX.fill(0)
+                for i in cutlass.range_constexpr(8):
+                    c = mma_bf16_16816((rW[2 * i], rW[16 + 2 * i], rW[2 * i + 1], rW[16 + 2 * i + 1]),
+                                       (rX[2 * i], rX[2 * i + 1]),
+                                       (acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]))
+                    for j in cutlass.range_constexpr(4):
+                        acc[4 * nt + j] = c[j]
+        for nt in cutlass.range_constexpr(NT):  # C fragment: rows g, g + 8; batch rows 2t, 2t + 1 of the tile
+            for j in cutlass.range_constexpr(4):
+                sRed[warp, g + 8 * (j // 2), nt * 8 + 2 * t + j % 2] = acc[4 * nt + j]
+        cute.arch.sync_threads()
+        for idx in cutlass.range(tid, 16 * M, THREADS, unroll=1):
+            r = idx // M
+            m = idx % M
+            n = row0 + r
+            if n < N:
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    total = total + sRed[w, r, m]
+                if cutlass.const_expr(not HAS_BF16):
+                    mYf[m, n] = total
+                elif cutlass.const_expr(not HAS_F32):
+                    mYb[m, n] = total.to(BFloat16)
+                else:
+                    if n < N_F32:
+                        mYf[m, n] = total
+                    else:
+                        mYb[m, n - N_F32] = total.to(BFloat16)
         cute.arch.griddepcontrol_launch_dependents()

@@ -1,4 +1,4 @@
-"""Routed MXFP4 experts, launch 1 of 2: router selection + gate/up GEMVs + SiTU-GLU (template moe_gate_up).
+"""Routed MXFP4 experts, launch 1 of 2: router selection + gate/up GEMMs + SiTU-GLU (template moe_gate_up).
 
 For token m and selected slot j (expert e = ids[m, j]):
     gate = bf16(z[m] . deq(W1[e])^T),  up = bf16(z[m] . deq(W3[e])^T)          (fp32 accumulation)
@@ -6,32 +6,37 @@ For token m and selected slot j (expert e = ids[m, j]):
 Selection (as k3compile.dialect._select): scores = sigmoid(logits[m]); ids = top-k of scores + bias,
 descending (ties: lower expert id); weights = scores[ids] (/ (sum + 1e-20) if RENORMALIZE) * SCALING.
 
-Grid (TILES, TOPK, M): one CTA per (tile of RPC rows of h, slot, token). Selection is recomputed by every
-CTA: warp 0 holds the token's E logits (EPL per lane, in registers), runs TOPK rounds of a warp argmax
-(butterfly on (key, id) pairs, lower id wins ties, so every lane agrees), and puts this CTA's expert in
-shared memory; the CTAs with tile == 0 and slot == 0 also write ids/weights for the token (the only
-writers). The logits row is tiny and L2-resident; the cost is TOPK warp-argmax rounds of latency.
+Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
 
-GEMVs: the first WARPS/2 warps do gate rows (W1), the others the same up rows (W3). A weight row of
-L/2 bytes is NB 16-byte MX blocks (32 codes, one E8M0 scale byte each); G consecutive lanes share a row
-and each lane owns BPL blocks (lane j: blocks j, j+G, ...), so a warp covers RPW = 32/G rows and every
-load is a coalesced 128-bit LDG. All BPL weight blocks of a lane are loaded before any math (BPL loads in
-flight per lane), no shared memory in the main loop. Decode is in registers with byte permutes (no FP4
-cvt on sm_90a): prmt against two 8-entry byte tables gives bf16 magnitudes as bf16x2 pairs, a third prmt
-gathers the sign bits; the pairs are widened to fp32 and multiplied with z (fp32 FMA). The E8M0 scale is
-applied once per block, to the block's dot product, as two exact power-of-two factors (covers 0 and 255
-exactly like models/mxfp4.dequantize). A G-lane butterfly finishes each row; gate/up meet in shared
-memory and the first RPC threads write h.
+1. Routing (every CTA, the same result; CTA 0 alone writes ids/weights). Warp w selects tokens w, w+WARPS,
+   ...: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32), and each of TOPK rounds
+   is a lane-local max (a tree of selects) plus two ``redux.sync`` (max key, then min id among the lanes
+   holding it: lower id wins ties); the winner's score comes from its lane by one shuffle (no load).
+2. Grouping by expert in shared memory: a histogram of the M*TOPK selected ids (shared atomics), one block
+   scan over E experts gives each active expert its start in a list of (token, slot) pairs, and a scatter
+   fills the list. Each distinct expert is then read and decoded once per step, however many tokens
+   picked it (the order inside a group only decides an MMA column, never a sum order).
+3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), strided over the task slots of the
+   CTAs: a slot is KSPLIT warps (1, or 2 when there are fewer tasks than warps, as at batch 1; they split
+   the reduction and meet in shared memory behind a named barrier per slot). Tokens of the group are the
+   MMA N dimension (8 per ``mma.sync.m16n8k16``, bf16 in, fp32 accumulate), rows the M dimension. In a
+   k-step a quad (lanes 4g..4g+3) covers 4 MX blocks, lane t of the quad loading block 4*step + t of rows
+   g and g+8 as 128-bit loads, so every weight byte is loaded by one lane, coalesced; a warp's k-steps are
+   double-buffered (the next step's weights load while one computes). The k order inside an MMA is
+   permuted (codes j and j+4 of a word form one bf16 pair; the activations are paired the same way with
+   byte permutes), which a dot product allows. Decode (moe_lib.block_mma): two shifts and a LOP3 per pair
+   give e2m1 * 2**-126 as bf16 (subnormals exact), one packed bf16 multiply by 2**(s-1) makes it the
+   dequantised weight (a second one when s > 128), so every E8M0 byte is exact. The epilogue rounds gate
+   and up to bf16, applies SiTU-GLU and writes h for each (token, slot) column.
 """
 
 import math
-import operator
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 
-from k3compile.templates.kernels.mxfp4_lib import mx_block_dot
+from k3compile.templates.kernels.moe_lib import block_mma, group_pairs
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -44,22 +49,49 @@ RENORMALIZE = True  # renormalise the selected scores to sum 1
 SCALING = 2.5  # routed scaling factor
 BETA = 4.0  # SiTU gate beta
 LINEAR_BETA = 25.0  # SiTU linear beta
-G = 4  # lanes sharing one weight row
-WARPS = 8  # warps per CTA (half gate, half up)
+WARPS = 8  # warps per CTA
+KSPLIT = 2  # warps sharing one task (they split its reduction); WARPS / KSPLIT tasks per CTA at a time
+CTAS = 16  # persistent CTAs (tasks are strided over their task slots)
+OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
-BPL = NB // G  # blocks per lane
-RPW = 32 // G  # weight rows per warp
-HALF = WARPS // 2  # warps on W1 (gate); the other half on W3 (up)
-RPC = HALF * RPW  # rows of h per CTA
-TILES = I // RPC
+STEPS = NB // 4  # k-steps: a quad covers 4 blocks
+SLOTS = WARPS // KSPLIT  # tasks a CTA works on at once
+RT = I // 16  # row tiles of 16
+P = M * TOPK  # (token, slot) pairs
+MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
-EPL = (E + 31) // 32  # router logits per lane (selection)
+EPL = (E + 31) // 32  # router keys per lane (selection)
 
 
 def _sigmoid(x):
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+def _situ(gate, up):
+    """h = SiTU-GLU of the fp32 sums, each rounded to bf16 first (as the reference rounds gate and up)."""
+    g = gate.to(BFloat16).to(Float32)
+    u = up.to(BFloat16).to(Float32)
+    act = Float32(BETA) * cute.math.tanh(g / Float32(BETA)) * _sigmoid(g)
+    return (act * (Float32(LINEAR_BETA) * cute.math.tanh(u / Float32(LINEAR_BETA)))).to(BFloat16)
+
+
+def _lane_max(rKey):
+    """This lane's largest key and its index as a tree of selects (depth log2 EPL rather than a chain of EPL
+    compares); on equal keys the lower index (the lower expert id) wins. Plain Python: unrolled at trace time."""
+    bk = [rKey[i] for i in range(EPL)]
+    bi = [Int32(i) for i in range(EPL)]
+    width = EPL
+    while width > 1:
+        half = (width + 1) // 2
+        for i in range(width // 2):
+            r = half + i
+            take = (bk[r] > bk[i]) | ((bk[r] == bk[i]) & (bi[r] < bi[i]))
+            bk[i] = Uint32(cutlass.select_(take, bk[r], bk[i]))
+            bi[i] = Int32(cutlass.select_(take, bi[r], bi[i]))
+        width = half
+    return bk[0], bi[0]
 
 
 class Kernel:
@@ -71,75 +103,74 @@ class Kernel:
         mW1q = cute.recast_tensor(mW1, Uint32)  # [E, I, L/8] 8 codes per word
         mW3q = cute.recast_tensor(mW3, Uint32)
         self.kernel(mZq, mLogits, mBias, mW1q, mS1, mW3q, mS3, mH, mIds, mWts).launch(
-            grid=(TILES, TOPK, M), block=(THREADS, 1, 1), stream=stream)
+            grid=(CTAS, 1, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=OCC, preferred_smem_carveout=100)
 
     @cute.jit
     def select(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-               sExpert: cute.Tensor, lane, tile, slot, m):
-        """Warp 0: top-TOPK of sigmoid(logits) + bias for token m (every lane ends with the same ids)."""
-        rKey = cute.make_rmem_tensor((EPL,), Float32)
+               sIds: cute.Tensor, lane, m, writer):
+        """One warp: top-TOPK of sigmoid(logits) + bias for token m into sIds[m*TOPK + j]."""
+        rKey = cute.make_rmem_tensor((EPL,), Uint32)
+        rSig = cute.make_rmem_tensor((EPL,), Float32)  # the scores themselves (the weights), kept for the winners
         for i in cutlass.range_constexpr(EPL):
-            rKey[i] = Float32(-math.inf)
+            rKey[i] = Uint32(0)  # below every real key
+            rSig[i] = Float32(0.0)
             if lane + 32 * i < E:
-                rKey[i] = _sigmoid(mLogits[m, lane + 32 * i]) + mBias[lane + 32 * i]
-        mine = Int32(0)  # this CTA's expert (round `slot`)
+                rSig[i] = _sigmoid(mLogits[m, lane + 32 * i])
+                f = rSig[i] + mBias[lane + 32 * i]
+                u = f.bitcast(Uint32)
+                flip = Uint32(f.bitcast(Int32) >> Int32(31)) | Uint32(0x80000000)
+                rKey[i] = u ^ flip  # order-preserving: larger float, larger key
         total = Float32(0.0)
-        for j in cutlass.range(TOPK, unroll=1):  # one warp argmax per round
-            bk = rKey[0]
-            bi = lane
-            for i in cutlass.range_constexpr(1, EPL):
-                if rKey[i] > bk:
-                    bk = rKey[i]
-                    bi = lane + 32 * i
-            for s in cutlass.range_constexpr(5):
-                ok = cute.arch.shuffle_sync_bfly(bk, offset=16 >> s)
-                oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> s)
-                if ok > bk:
-                    bk = ok
-                    bi = oi
-                elif ok == bk:
-                    if oi < bi:
-                        bi = oi
+        for j in cutlass.range(TOPK, unroll=1):
+            bk, bi = _lane_max(rKey)
+            kmax = cute.arch.warp_redux_sync(bk, "umax")
+            cand = Uint32(0xFFFFFFFF)
+            if bk == kmax:
+                cand = Uint32(lane) + Uint32(32) * Uint32(bi)
+            win = cute.arch.warp_redux_sync(cand, "umin")
+            sc = Float32(0.0)
             for i in cutlass.range_constexpr(EPL):
-                if lane + 32 * i == bi:
-                    rKey[i] = Float32(-math.inf)
-            if j == slot:
-                mine = bi
-            score = _sigmoid(mLogits[m, bi])
+                if Uint32(lane + 32 * i) == win:
+                    rKey[i] = Uint32(0)
+                    sc = rSig[i]
+            score = cute.arch.shuffle_sync(sc, Int32(win % Uint32(32)))  # from the lane that held it
+            e = Int32(win)
             total = total + score
             if lane == 0:
-                if tile == 0:
-                    if slot == 0:  # the one writer CTA of token m: ids and raw scores first
-                        mIds[m, j] = bi
-                        mWts[m, j] = score
+                sIds[m * TOPK + j] = e
+                if writer:
+                    mIds[m, j] = e
+                    mWts[m, j] = score
         if lane == 0:
-            sExpert[0] = mine
-            if tile == 0:
-                if slot == 0:
-                    for j in cutlass.range(TOPK, unroll=1):
-                        w = mWts[m, j]  # written above by this thread
-                        if cutlass.const_expr(RENORMALIZE):
-                            w = w / (total + Float32(1e-20))
-                        mWts[m, j] = w * Float32(SCALING)
+            if writer:
+                for j in cutlass.range(TOPK, unroll=1):
+                    w = mWts[m, j]  # written above by this thread
+                    if cutlass.const_expr(RENORMALIZE):
+                        w = w / (total + Float32(1e-20))
+                    mWts[m, j] = w * Float32(SCALING)
 
     @cute.jit
-    def row_dot(self, mWq: cute.Tensor, mS: cute.Tensor, mZq: cute.Tensor, sOut: cute.Tensor, expert, m, row,
-                rloc, j):
-        """G lanes: one weight row . z[m]; lane j == 0 writes the fp32 result to sOut[rloc]."""
-        rW = [cute.make_rmem_tensor((4,), Uint32) for _ in range(BPL)]
-        rZ = cute.make_rmem_tensor((16,), Uint32)
-        for t in cutlass.range_constexpr(BPL):  # all weight blocks of this lane in flight first
-            cute.autovec_copy(cute.local_tile(mWq[expert, row, None], (4,), (j + G * t,)), rW[t])
-        rS = cute.make_rmem_tensor((BPL,), Uint32)
-        for t in cutlass.range_constexpr(BPL):
-            rS[t] = Uint32(mS[expert, row, j + G * t])
-        acc = Float32(0.0)
-        for t in cutlass.range_constexpr(BPL):
-            cute.autovec_copy(cute.local_tile(mZq[m, None], (16,), (j + G * t,)), rZ)
-            acc = acc + mx_block_dot(rW[t], rZ, rS[t])
-        acc = cute.arch.warp_reduction(acc, operator.add, threads_in_group=G)
-        if j == 0:
-            sOut[rloc] = acc
+    def load_step(self, mW1q: cute.Tensor, mS1: cute.Tensor, mW3q: cute.Tensor, mS3: cute.Tensor, e, row0, g, blk,
+                  rW: cute.Tensor, rS: cute.Tensor):
+        """This lane's MX block blk of rows g and g + 8 of W1 and W3 (four 128-bit loads) and their scales."""
+        for r in cutlass.range_constexpr(4):
+            mW = mW1q if r < 2 else mW3q
+            mS = mS1 if r < 2 else mS3
+            row = row0 + g + 8 * (r % 2)
+            cute.autovec_copy(cute.local_tile(mW[e, row, None], (4,), (blk,)), cute.local_tile(rW, (4,), (r,)))
+            rS[r] = Uint32(mS[e, row, blk])
+
+    @cute.jit
+    def mma_step(self, mZq: cute.Tensor, tok, valid, blk, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
+                 acc: cute.Tensor):
+        """One k-step: the activations of block blk of this lane's token (zero for a column past the group),
+        then the gate and the up MMAs."""
+        if valid:
+            cute.autovec_copy(cute.local_tile(mZq[tok, None], (16,), (blk,)), rX)
+        else:
+            rX.fill(0)
+        block_mma(rW, 0, rS[0], rS[1], rX, acc, 0)  # gate: W1 rows g, g + 8
+        block_mma(rW, 8, rS[2], rS[3], rX, acc, 4)  # up: W3 rows g, g + 8
 
     @cute.kernel
     def kernel(self, mZq: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1q: cute.Tensor,
@@ -148,32 +179,78 @@ class Kernel:
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        tile, slot, m = cute.arch.block_idx()
+        bid = cute.arch.block_idx()[0]
         smem = cutlass.utils.SmemAllocator()
-        sExpert = smem.allocate_tensor(Int32, cute.make_layout((1,)), 16)
-        sGate = smem.allocate_tensor(Float32, cute.make_layout((RPC,)), 16)
-        sUp = smem.allocate_tensor(Float32, cute.make_layout((RPC,)), 16)
+        sIds = smem.allocate_tensor(Int32, cute.make_layout((P,)), 16)
+        sPairs = smem.allocate_tensor(Int32, cute.make_layout((P,)), 16)
+        sCount = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
+        sOff = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
+        sAct = smem.allocate_tensor(Int32, cute.make_layout((MAXA,)), 16)
+        sStart = smem.allocate_tensor(Int32, cute.make_layout((MAXA,)), 16)
+        sNum = smem.allocate_tensor(Int32, cute.make_layout((MAXA,)), 16)
+        sTot = smem.allocate_tensor(Int32, cute.make_layout((2 * WARPS,)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2, 16, 8)), 16)
 
+        for e in cutlass.range(tid, E, THREADS, unroll=1):
+            sCount[e] = Int32(0)
         cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
 
-        if warp == 0:
-            self.select(mLogits, mBias, mIds, mWts, sExpert, lane, tile, slot, m)
+        for m in cutlass.range(warp, M, WARPS, unroll=1):
+            self.select(mLogits, mBias, mIds, mWts, sIds, lane, m, bid == 0)
         cute.arch.sync_threads()
-        expert = sExpert[0]
+        n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
 
-        j = lane % G
-        rloc = (warp % HALF) * RPW + lane // G  # row of this CTA's tile
-        row = tile * RPC + rloc
-        if warp < HALF:
-            self.row_dot(mW1q, mS1, mZq, sGate, expert, m, row, rloc, j)
-        else:
-            self.row_dot(mW3q, mS3, mZq, sUp, expert, m, row, rloc, j)
-        cute.arch.sync_threads()
-
-        if tid < RPC:
-            g = sGate[tid].to(BFloat16).to(Float32)  # the reference rounds gate and up to bf16
-            u = sUp[tid].to(BFloat16).to(Float32)
-            act = Float32(BETA) * cute.math.tanh(g / Float32(BETA)) * _sigmoid(g)
-            lin = Float32(LINEAR_BETA) * cute.math.tanh(u / Float32(LINEAR_BETA))
-            mH[m, slot, tile * RPC + tid] = (act * lin).to(BFloat16)
+        g = lane // 4  # MMA row (and row + 8) of this lane, and its token column
+        t = lane % 4  # which block of a k-step this lane loads
+        slot = warp // KSPLIT  # the task slot of this warp in its CTA
+        ks = warp % KSPLIT  # its share of the reduction: k-steps ks, ks + KSPLIT, ...
+        acc = cute.make_rmem_tensor((8,), Float32)  # gate c0..c3, up c0..c3
+        rX = cute.make_rmem_tensor((16,), Uint32)
+        rW = [cute.make_rmem_tensor((16,), Uint32) for _ in range(2)]  # double buffer: W1 g, g+8, W3 g, g+8
+        rS = [cute.make_rmem_tensor((4,), Uint32) for _ in range(2)]
+        for task in cutlass.range(bid * SLOTS + slot, n_active * RT, CTAS * SLOTS, unroll=1):
+            a = task // RT
+            row0 = (task % RT) * 16
+            e = sAct[a]
+            start = sStart[a]
+            num = sNum[a]
+            for nt in cutlass.range(0, num, 8, unroll=1):
+                col = nt + g
+                tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
+                acc.fill(0.0)
+                # this warp's k-steps, two at a time: the next step's weights load while one computes
+                if ks < STEPS:
+                    self.load_step(mW1q, mS1, mW3q, mS3, e, row0, g, 4 * ks + t, rW[0], rS[0])
+                for s0 in cutlass.range(ks, STEPS, 2 * KSPLIT, unroll=1):
+                    s1 = s0 + KSPLIT
+                    if s1 < STEPS:
+                        self.load_step(mW1q, mS1, mW3q, mS3, e, row0, g, 4 * s1 + t, rW[1], rS[1])
+                    self.mma_step(mZq, tok, col < num, 4 * s0 + t, rW[0], rS[0], rX, acc)
+                    if s1 + KSPLIT < STEPS:
+                        self.load_step(mW1q, mS1, mW3q, mS3, e, row0, g, 4 * (s1 + KSPLIT) + t, rW[0], rS[0])
+                    if s1 < STEPS:
+                        self.mma_step(mZq, tok, col < num, 4 * s1 + t, rW[1], rS[1], rX, acc)
+                if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
+                    for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
+                        cc = nt + 2 * t + i % 2
+                        if cc < num:
+                            pc = sPairs[start + cc]
+                            mH[pc // TOPK, pc % TOPK, row0 + g + 8 * (i // 2)] = _situ(acc[i], acc[4 + i])
+                else:  # the slot's KSPLIT warps meet in shared memory (a named barrier per slot)
+                    for mat in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4):
+                            sRed[warp, mat, g + 8 * (i // 2), 2 * t + i % 2] = acc[4 * mat + i]
+                    cute.arch.barrier(barrier_id=1 + slot, number_of_threads=32 * KSPLIT)
+                    for o in cutlass.range(ks * 32 + lane, 128, 32 * KSPLIT, unroll=1):
+                        r = o // 8
+                        cc = o % 8
+                        if nt + cc < num:
+                            gate = Float32(0.0)
+                            up = Float32(0.0)
+                            for w in cutlass.range_constexpr(KSPLIT):
+                                gate = gate + sRed[slot * KSPLIT + w, 0, r, cc]
+                                up = up + sRed[slot * KSPLIT + w, 1, r, cc]
+                            pc = sPairs[start + nt + cc]
+                            mH[pc // TOPK, pc % TOPK, row0 + r] = _situ(gate, up)
+                    cute.arch.barrier(barrier_id=1 + slot, number_of_threads=32 * KSPLIT)
         cute.arch.griddepcontrol_launch_dependents()

@@ -1,19 +1,25 @@
-"""MXFP4 (E2M1 codes + E8M0 block scales) decode on sm_90a, shared by the routed-expert kernels.
+"""MXFP4 (E2M1 codes + E8M0 block scales) decode on sm_90a for the tensor cores, and the MMA itself; shared
+by the routed-expert kernels (through moe_lib.py) and the GEMV's tensor-core path.
 
-Hopper has no FP4 conversion instruction, so codes are decoded in registers: byte-permute (``prmt``)
-lookups against two 8-entry byte tables give the low and high bytes of bf16(|e2m1|) for 4 codes at once,
-two more permutes interleave them into bf16x2 pairs, and a third gathers the sign bits. About 19 integer
-ops per 8 weights. The E8M0 scale is applied once per 32-element block, to the block's dot product, as
-two exact fp32 powers of two (every scale byte, 0 and 255 included, matches ``models.mxfp4.dequantize``).
+Hopper has no FP4 conversion instruction, so codes are decoded in registers. Codes j and j+4 of a word go
+to the low and high half of one bf16x2 word with two shifts and a LOP3: the 3 magnitude bits land in bf16
+bits 6-8 (the low exponent bits and the top mantissa bit), the sign in bit 15. That bit pattern is
+e2m1 * 2**-126 exactly, the subnormal 0.5 included (bf16 subnormals are exact). Multiplying by 2**(s-1)
+(s the E8M0 byte) in packed bf16 gives the dequantised bf16 weight: one multiply when s <= 128, a second
+by 2**(s-128) above, so every scale byte, 0 and 255 included, matches ``models.mxfp4.dequantize``. About
+15 integer ops and 4 packed multiplies per 8 weights (the prmt lookup-table decode it replaced: 23).
 
-These are plain Python helpers traced into the calling kernel (inlined). tests/templates/test_moe_experts.py
-mirrors every integer operation in numpy and checks it bit-exactly against ``mxfp4.dequantize`` for all
-256 code bytes x 256 scale bytes. Templates that import this file list it in ``Template.libs``, so it is
-part of their kernels' identity (cache key, kernel names).
+These are plain Python helpers traced into the calling kernel (inlined). ``k3compile.mxfp4_mirror`` replays
+every integer operation in numpy, and tests/templates/test_moe_experts.py checks it bit-exactly against
+``mxfp4.dequantize`` for all 256 code bytes x 256 scale bytes. Templates that import this file list it in
+``Template.libs``, so it is part of their kernels' identity (cache key, kernel names).
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.experimental.primitives import PermuteMode, prmt
 
 def _s32(v):
@@ -21,58 +27,61 @@ def _s32(v):
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-LUT_LO = (_s32(0xC0800000), _s32(0xC0804000))  # low bytes of bf16(|e2m1|), magnitude codes 0..3 | 4..7
-LUT_HI = (_s32(0x3F3F3F00), _s32(0x40404040))  # high bytes (0, 0.5, 1, 1.5 | 2, 3, 4, 6)
-SEL_PAIR = (0x5140, 0x7362)  # interleave low/high bytes of codes (0, 1) | (2, 3) into bf16x2
-SEL_SIGN = (0x4400, 0x5511, 0x6622, 0x7733)  # byte b of (q << 4) -> byte 1, byte b of q -> byte 3
+SUB_MAG = 0x01C001C0  # magnitude bits of both halves
+SUB_SIGN = _s32(0x80008000)
+SUB_SHIFT = (6, 2, -2, -6)  # codes (j, j+4) magnitude bits 4j..4j+2 -> bits 6..8
+SIGN_SHIFT = (12, 8, 4, 0)  # sign bit 4j+3 -> bit 15
 
 
 def _prmt(a, b, sel):
     return Uint32(prmt(Int32(a), Int32(sel), PermuteMode.DEFAULT, hi=Int32(b)))
 
 
-def decode_e2m1x8(q):
-    """8 E2M1 codes (one word; byte b = codes 2b (low nibble), 2b+1) -> 4 bf16x2 words (codes 2b, 2b+1)."""
-    mag = q & Uint32(0x77777777)  # selector nibbles: magnitude codes (bit 3 would mean sign-replicate)
-    mag_hi = mag >> Uint32(16)
-    lo0 = _prmt(LUT_LO[0], LUT_LO[1], mag)
-    hi0 = _prmt(LUT_HI[0], LUT_HI[1], mag)
-    lo1 = _prmt(LUT_LO[0], LUT_LO[1], mag_hi)
-    hi1 = _prmt(LUT_HI[0], LUT_HI[1], mag_hi)
-    q4 = q << Uint32(4)
-    out = []
-    for b in range(4):
-        lo, hi = (lo0, hi0) if b < 2 else (lo1, hi1)
-        pair = _prmt(lo, hi, SEL_PAIR[b % 2])
-        sign = _prmt(q4, q, SEL_SIGN[b]) & Uint32(0x80008000)
-        out.append(pair | sign)
-    return out
+def _shift(q, n):
+    if n > 0:
+        return q << Uint32(n)
+    if n < 0:
+        return q >> Uint32(-n)
+    return q
 
 
-def bf16x2_lo(w):
-    return (w << Uint32(16)).bitcast(Float32)
+def decode_e2m1x8_sub(q):
+    """8 E2M1 codes (one word) -> 4 bf16x2 words: word j = (code j, code j + 4), each e2m1 * 2**-126."""
+    return [(_shift(q, SUB_SHIFT[j]) & Uint32(SUB_MAG)) | (_shift(q, SIGN_SHIFT[j]) & Uint32(SUB_SIGN))
+            for j in range(4)]
 
 
-def bf16x2_hi(w):
-    return (w & Uint32(0xFFFF0000)).bitcast(Float32)
+def scale_bf16x2(s):
+    """The E8M0 byte s as two bf16x2 factors (2**min(s-1, 127), 2**max(s-128, 0)), each in both halves;
+    their product with a decode_e2m1x8_sub word is the dequantised weight."""
+    e1 = cutlass.min(s + Uint32(126), Uint32(254)) << Uint32(7)
+    e2 = (cutlass.max(s, Uint32(128)) - Uint32(1)) << Uint32(7)
+    return e1 | (e1 << Uint32(16)), e2 | (e2 << Uint32(16))
 
 
-def e8m0_factors(s):
-    """2**(s - 127) as two normal fp32 powers of two (exact for every byte, 0 and 255 included)."""
-    half = s >> Uint32(1)
-    fa = ((half + Uint32(64)) << Uint32(23)).bitcast(Float32)  # 2**(s//2 - 63)
-    fb = ((s - half + Uint32(63)) << Uint32(23)).bitcast(Float32)  # 2**(s - s//2 - 64)
-    return fa, fb
+def bf16x2_mul(a, f):
+    """a * f per bf16 half, round to nearest even (subnormals kept): fma.rn.bf16x2 with a zero addend."""
+    return Uint32(cute.arch.fma_packed_bf16x2(Int32(a), Int32(f), Int32(0)))
 
 
-def mx_block_dot(rWq, rXq, s):
-    """sum_i deq(w_i) * x_i over one MX block: rWq 4 words of codes, rXq 16 bf16x2 words, s the scale byte."""
-    d0, d1 = Float32(0.0), Float32(0.0)
-    for wi in range(4):
-        dec = decode_e2m1x8(rWq[wi])
-        for p in range(4):
-            xp = rXq[4 * wi + p]
-            d0 = cute.math.fma(bf16x2_lo(dec[p]), bf16x2_lo(xp), d0)
-            d1 = cute.math.fma(bf16x2_hi(dec[p]), bf16x2_hi(xp), d1)
-    fa, fb = e8m0_factors(s)
-    return ((d0 + d1) * fa) * fb
+def pair_lo4(a, b):
+    """(low half of a, low half of b) as one bf16x2 word."""
+    return _prmt(a, b, 0x5410)
+
+
+def pair_hi4(a, b):
+    """(high half of a, high half of b) as one bf16x2 word."""
+    return _prmt(a, b, 0x7632)
+
+
+@dsl_user_op
+def mma_bf16_16816(a, b, c, *, loc=None, ip=None):
+    """One ``mma.sync.m16n8k16`` (bf16 inputs, fp32 accumulate): a 4 bf16x2 words, b 2, c 4 fp32; returns
+    the 4 fp32 accumulators (sm_80+ register fragment layout)."""
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), ops,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]

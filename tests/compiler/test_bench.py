@@ -1,8 +1,11 @@
-"""``k3compile bench`` pieces that need no GPU: per-layer differencing, the plot, the no-GPU error."""
+"""``k3compile bench`` pieces that need no GPU: per-layer differencing, the plot, the no-GPU error, the
+system names, the bf16-experts baseline's patch and the floor when no k3compile row gives it."""
 
+import inspect
 import json
 import os
 import struct
+import zlib
 
 import pytest
 import torch
@@ -41,3 +44,136 @@ def test_plot_of_the_recorded_benchmark(tmp_path):
 def test_bench_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", "--config", "k3_mini", "--json", os.devnull])
+
+
+def test_an_unknown_system_is_refused_before_anything_runs(capsys):
+    assert main(["bench", "--systems", "eager,eager-bf16-grpah", "--json", os.devnull]) == 2
+    err = capsys.readouterr().err
+    assert "unknown bench system(s) ['eager-bf16-grpah']" in err and "eager-bf16-graph" in err
+    with pytest.raises(ValueError, match="no bench systems"):
+        bench.check_systems([])
+    assert bench.check_systems(bench.DEFAULT_SYSTEMS) == bench.DEFAULT_SYSTEMS
+    assert set(bench.DEFAULT_SYSTEMS) <= set(bench.SYSTEMS)
+
+
+def test_every_system_has_its_own_colour_and_the_legend_wraps(tmp_path):
+    assert set(bench.SYSTEMS) <= set(bench.COLORS)
+    assert len({bench.COLORS[s] for s in bench.SYSTEMS}) == len(bench.SYSTEMS)
+    rows = [_plot_row(s, b, 100.0 * (i + 1) * b ** 0.5) for i, s in enumerate(bench.SYSTEMS) for b in (1, 8)]
+    res = {"rows": rows, "per_layer": []}
+    bench.plot(res, str(tmp_path / "all.png"))
+    px = _pixels((tmp_path / "all.png").read_bytes())
+    # the second legend line (y 43..51) holds the swatches of the systems that did not fit the first
+    second = {px[y][x] for y in range(44, 51) for x in range(80, 700)}
+    assert any(bench.COLORS[s] in second for s in bench.SYSTEMS)
+
+
+def _plot_row(system, bucket, us):
+    return {"config": "slice2", "layers": 2, "tp": 8, "context": 1024, "bucket": bucket, "system": system,
+            "us_per_step": us, "launches": 10, "floor_us": 50.0, "extra_mem_mb": 0.0, "note": "", "kernels": []}
+
+
+def _pixels(png: bytes) -> list:
+    """RGB rows of a PNG written by models.train.Canvas (8-bit RGB, one IDAT, filter 0 on every row)."""
+    w, h = struct.unpack(">II", png[16:24])
+    i, idat = 8, b""
+    while i < len(png):
+        n = struct.unpack(">I", png[i:i + 4])[0]
+        if png[i + 4:i + 8] == b"IDAT":
+            idat += png[i + 8:i + 8 + n]
+        i += 12 + n
+    raw = zlib.decompress(idat)
+    stride = 1 + 3 * w
+    return [[tuple(raw[y * stride + 1 + 3 * x:y * stride + 4 + 3 * x]) for x in range(w)] for y in range(h)]
+
+
+@pytest.fixture(scope="module")
+def mini_model():
+    from k3compile.models import k3_mini
+
+    return bench.build_model(k3_mini(), 1, device="cpu")  # what the bench builds, on the CPU
+
+
+def _ops(model):
+    """The ops module the model's LatentMoE calls (the one bench.bf16_experts patches)."""
+    from k3compile.models.layers import LatentMoE
+
+    return inspect.getmodule(LatentMoE).ops
+
+
+def _decode(model, steps=3, batch=4, ctx=5):
+    """Logits of ``steps`` decode steps from a fresh state at context ``ctx``, and the state after them."""
+    state = model.new_state(batch, ctx + steps + 1)
+    state.lengths.fill_(ctx)
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            out.append(model.decode(torch.randint(0, model.config.vocab_size, (batch,), generator=gen), state))
+    return torch.stack(out), state
+
+
+def test_bf16_experts_give_the_eager_models_output(mini_model, monkeypatch):
+    """The pre-dequantised experts are the model's per-token path minus its dequantize: bit for bit that
+    path's logits and state. k3-mini's eager default is the dense path (every expert, weighted 0 when not
+    picked): the same up to the order of the fp32 sum over experts and the bf16 roundings after it."""
+    dense, _ = _decode(mini_model)
+    with bench.bf16_experts(mini_model) as copies:
+        assert len(copies) == sum(layer.is_moe for layer in mini_model.layers) > 0
+        got, state = _decode(mini_model)
+    with monkeypatch.context() as m:  # force the per-token path the real model takes (too big for dense)
+        m.setattr(_ops(mini_model), "DENSE_EXPERTS_MAX_WEIGHTS", 0)
+        per_token, per_token_state = _decode(mini_model)
+    assert torch.equal(got, per_token)
+    assert all(torch.equal(a, b) for a, b in zip(state.tensors(), per_token_state.tensors()))
+    torch.testing.assert_close(got, dense, rtol=1.6e-2, atol=5e-2)  # a logit moves by a bf16 step or two
+    assert ((got - dense).norm() / dense.norm()).item() < 1e-2
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+
+
+def test_bf16_experts_are_what_runs_and_the_patch_is_undone(mini_model):
+    ops = _ops(mini_model)
+    original = ops.latent_moe_experts
+    ref, _ = _decode(mini_model, steps=1)
+    with bench.bf16_experts(mini_model) as copies:
+        assert ops.latent_moe_experts is not original
+        moe = next(layer.block_sparse_moe for layer in mini_model.layers if layer.is_moe)
+        _, w1, w3, w2 = copies[id(moe.experts_w1_packed)]
+        assert w1.dtype == torch.bfloat16 and w1.shape[-1] == 2 * moe.experts_w1_packed.shape[-1]
+        from k3compile.models.mxfp4 import dequantize
+
+        assert torch.equal(w2, dequantize(moe.experts_w2_packed, moe.experts_w2_scale, torch.bfloat16))
+        for w in (w1, w3, w2):  # the decode reads the copies, not the packed weights
+            w.zero_()
+        zeroed, _ = _decode(mini_model, steps=1)
+        assert not torch.equal(zeroed, ref)
+    assert ops.latent_moe_experts is original and not copies  # restored, the copies dropped
+    assert torch.equal(_decode(mini_model, steps=1)[0], ref)
+    with pytest.raises(RuntimeError, match="boom"):  # undone on an exception too (a row that fails)
+        with bench.bf16_experts(mini_model):
+            raise RuntimeError("boom")
+    assert ops.latent_moe_experts is original
+
+
+def test_the_floor_without_a_k3compile_row(mini_model):
+    """With no k3compile system the floor comes from a compile with eager kernels of the unpatched model."""
+    state = mini_model.new_state(1, 16)
+    state.lengths.fill_(5)
+    floor = bench._floor_us(None, mini_model, state, torch.tensor([3]), 1, 1, 5, 1e12)
+    assert 0 < floor < float("inf")
+
+
+def test_a_failed_capture_is_one_line_naming_the_host_sync():
+    def check():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    try:
+        try:
+            check()
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        note = bench._note(e)
+    assert note.startswith("RuntimeError: CUDA error: operation failed due to a previous error during capture "
+                           "(after RuntimeError: CUDA error: operation not permitted when stream is capturing)")
+    assert note.endswith(" check") and "test_bench.py:" in note and "\n" not in note

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from k3compile import build
+from template_checks import module_constants
 from templates import TemplateError, get
 
 T = get("gemv")
@@ -19,6 +20,17 @@ EXAMPLES = T.examples()
 
 def _point(label):
     return T.point(**EXAMPLES[label])
+
+
+def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
+    for label, params in EXAMPLES.items():
+        c = _point(label).c
+        assert c["MMA"] == (c["M"] >= 8 and c["PRO"] == "none" and c["K"] % 128 == 0), label
+        if c["MMA"]:
+            assert c["GRID"] == -(-c["N"] // 16), label
+    assert not T.point(**{**EXAMPLES["k3tp8_b64"], "mma": False}).c["MMA"]  # codegen --batch-invariant
+    with pytest.raises(TemplateError, match="mma=True needs"):
+        T.point(**{**EXAMPLES["k3tp8_b1"], "mma": True})
 
 
 def test_examples_cover_the_required_labels():
@@ -117,11 +129,44 @@ def _simulate(c, inputs):
     return {"y_f32": y[:, :NF], "y_bf16": y[:, NF:].to(torch.bfloat16)}, writes
 
 
-@pytest.mark.parametrize("label", [lbl for lbl in EXAMPLES if lbl.startswith("mini_")])
+def _simulate_mma(c, inputs):
+    """The tensor-core path's split: CTA = 16 rows (the last tile clamps its loads to row N-1 and writes
+    only rows < N); warp w takes K steps w, w+WARPS, ...; in a step lane (g, t) owns the 32-element chunk
+    4*step + t, and MMA i takes elements 4i..4i+3 of every lane's chunk as its K = 16 (logical k 2t, 2t+1
+    <- elements 4i, 4i+1; 2t+8, 2t+9 <- 4i+2, 4i+3), rows g / g+8, batch row g of each column tile."""
+    M, N, K, NF, W = c["M"], c["N"], c["K"], c["N_F32"], c["WARPS"]
+    kc = K // 128
+    xin = T.xin(c, inputs).float()
+    w = inputs["w"].float()
+    y = torch.full((M, N), float("nan"))
+    writes = torch.zeros(M, N, dtype=torch.int64)
+    covered = torch.zeros(K, dtype=torch.int64)
+    for tile in range(c["GRID"]):
+        rows = torch.clamp(torch.arange(tile * 16, tile * 16 + 16), max=N - 1)
+        acc = torch.zeros(W, 16, M)
+        for warp in range(W):
+            for step in range(warp, kc, W):
+                for i in range(8):  # one MMA: K = 16 = 4 lanes x (2 + 2) elements
+                    ks = torch.tensor([32 * (4 * step + t) + 4 * i + e for t in range(4) for e in range(4)])
+                    acc[warp] += w[rows][:, ks] @ xin[:, ks].T
+                    if tile == 0:
+                        covered[ks] += 1
+        for r in range(16):
+            n = tile * 16 + r
+            if n < N:
+                y[:, n] = acc[:, r, :].sum(0)
+                writes[:, n] += 1
+    assert bool((covered == 1).all()), "every K element in exactly one MMA of one warp"
+    return {"y_f32": y[:, :NF], "y_bf16": y[:, NF:].to(torch.bfloat16)}, writes
+
+
+@pytest.mark.parametrize("label", [lbl for lbl in EXAMPLES if lbl.startswith("mini_") or "front" in lbl])
 def test_work_split_covers_every_output_once(label):
     c = _point(label).c
     inputs = T.random_inputs(c, torch.Generator().manual_seed(0))
-    out, writes = _simulate(c, inputs)
+    out, writes = (_simulate_mma if c["MMA"] else _simulate)(c, inputs)
+    env = module_constants(_point(label).render())
+    assert env["KC"] == c["K"] // 128 and env["NT"] * 8 >= c["M"]  # the kernel file's split is the simulated one
     assert bool((writes == 1).all()), f"{label}: outputs written {writes.min()}..{writes.max()} times"
     ref = T.reference(c, inputs)
     assert set(ref) == {a.name for a in T.args(c) if a.role == "out"}

@@ -1,0 +1,109 @@
+"""What the two routed-expert kernels share (moe_gate_up, moe_down_combine): grouping the (token, slot) pairs
+by expert in shared memory, and one MX block of 16 weight rows through the tensor cores.
+
+``@cute.jit`` functions traced into the calling kernel; the kernels' sizes come in as Constexpr arguments.
+Templates that import this file list it in ``Template.libs`` (cache key, kernel names).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32
+
+from k3compile.templates.kernels.mxfp4_lib import (bf16x2_mul, decode_e2m1x8_sub, mma_bf16_16816, pair_hi4,
+                                                   pair_lo4, scale_bf16x2)
+
+
+@cute.jit
+def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPairs: cute.Tensor, sAct: cute.Tensor,
+                sStart: cute.Tensor, sNum: cute.Tensor, sTot: cute.Tensor, tid, lane, warp, E: cutlass.Constexpr,
+                P: cutlass.Constexpr, WARPS: cutlass.Constexpr):
+    """The P (token, slot) pairs of sIds (expert ids, pair p = token * TOPK + slot) grouped by expert:
+    sAct[a] = the a-th active expert (ascending id), its pairs sPairs[sStart[a] : sStart[a] + sNum[a]];
+    returns the number of active experts. sCount (E entries) must be zero on entry, and the block
+    synchronised after sIds was written. A histogram (shared atomics), one block scan over the experts
+    (count and active flag together), a scatter; the order inside a group is not fixed (it only decides
+    an MMA column, never a sum order)."""
+    THREADS = 32 * WARPS
+    EPT = (E + THREADS - 1) // THREADS  # experts per thread in the scan
+    for p in cutlass.range(tid, P, THREADS, unroll=1):
+        cute.arch.atomic_add(sCount.iterator + sIds[p], Int32(1), sem="relaxed", scope="cta")
+    cute.arch.sync_threads()
+    # block scan over experts: (pairs before expert e, active experts before e)
+    cnt = Int32(0)
+    act = Int32(0)
+    for i in cutlass.range_constexpr(EPT):
+        e = tid * EPT + i
+        if e < E:
+            c = sCount[e]
+            cnt = cnt + c
+            if c > 0:
+                act = act + 1
+    inc_c = cnt
+    inc_a = act
+    for s in cutlass.range_constexpr(5):
+        oc = cute.arch.shuffle_sync_up(inc_c, offset=1 << s)
+        oa = cute.arch.shuffle_sync_up(inc_a, offset=1 << s)
+        if lane >= (1 << s):
+            inc_c = inc_c + oc
+            inc_a = inc_a + oa
+    if lane == 31:
+        sTot[2 * warp] = inc_c
+        sTot[2 * warp + 1] = inc_a
+    cute.arch.sync_threads()
+    base_c = inc_c - cnt
+    base_a = inc_a - act
+    n_active = Int32(0)
+    for w in cutlass.range_constexpr(WARPS):
+        if w < warp:
+            base_c = base_c + sTot[2 * w]
+            base_a = base_a + sTot[2 * w + 1]
+        n_active = n_active + sTot[2 * w + 1]
+    for i in cutlass.range_constexpr(EPT):
+        e = tid * EPT + i
+        if e < E:
+            c = sCount[e]
+            sOff[e] = base_c
+            if c > 0:
+                sAct[base_a] = e
+                sStart[base_a] = base_c
+                sNum[base_a] = c
+                base_a = base_a + 1
+            base_c = base_c + c
+    cute.arch.sync_threads()
+    for p in cutlass.range(tid, P, THREADS, unroll=1):
+        e = sIds[p]
+        old = cute.arch.atomic_add(sCount.iterator + e, Int32(-1), sem="relaxed", scope="cta")
+        sPairs[sOff[e] + old - 1] = p
+    cute.arch.sync_threads()
+    return n_active
+
+
+@cute.jit
+def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, sg, sh, rX: cute.Tensor, acc: cute.Tensor,
+              a0: cutlass.Constexpr):
+    """One MX block of 16 weight rows times 8 activation columns, accumulated into acc[a0 : a0 + 4] (the
+    m16n8 C fragment): rW[w0 : w0 + 4] and rW[w0 + 4 : w0 + 8] are this lane's block of rows g and g + 8
+    (32 codes each), sg / sh their E8M0 scale bytes, rX[16] the same 32 activations (bf16 pairs) of this
+    lane's column. Codes j and j + 4 of a word form one bf16 pair (decode_e2m1x8_sub) and the activations
+    are paired the same way, a permutation of K inside the MMA; the scale is applied to the weights before
+    the MMA (the four lanes of a quad hold different blocks)."""
+    fg = scale_bf16x2(sg)
+    fh = scale_bf16x2(sh)
+    big = cutlass.max(sg, sh) > Uint32(128)
+    for wi in cutlass.range_constexpr(4):  # word wi of the block: codes 8wi .. 8wi+7
+        xb = [pair_lo4(rX[4 * wi], rX[4 * wi + 2]), pair_hi4(rX[4 * wi], rX[4 * wi + 2]),
+              pair_lo4(rX[4 * wi + 1], rX[4 * wi + 3]), pair_hi4(rX[4 * wi + 1], rX[4 * wi + 3])]
+        dec = cute.make_rmem_tensor((8,), Uint32)  # [row g | row g + 8][pair j]
+        for j, w in enumerate(decode_e2m1x8_sub(rW[w0 + wi])):
+            dec[j] = bf16x2_mul(w, fg[0])
+        for j, w in enumerate(decode_e2m1x8_sub(rW[w0 + 4 + wi])):
+            dec[4 + j] = bf16x2_mul(w, fh[0])
+        if big:  # a scale byte > 128 in this block: the second factor (rarely taken)
+            for j in cutlass.range_constexpr(4):
+                dec[j] = bf16x2_mul(dec[j], fg[1])
+                dec[4 + j] = bf16x2_mul(dec[4 + j], fh[1])
+        for half in cutlass.range_constexpr(2):  # pairs (0, 1) then (2, 3): one MMA each
+            c = mma_bf16_16816((dec[2 * half], dec[4 + 2 * half], dec[2 * half + 1], dec[4 + 2 * half + 1]),
+                               (xb[2 * half], xb[2 * half + 1]), (acc[a0], acc[a0 + 1], acc[a0 + 2], acc[a0 + 3]))
+            for i in cutlass.range_constexpr(4):
+                acc[a0 + i] = c[i]
