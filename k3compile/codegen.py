@@ -255,9 +255,10 @@ def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> 
     same order as bucket 1, so RMSNorm prologues stay fused (the rms_norm kernel sums a row's squares in
     another order than the GEMV prologue), GEMVs keep the FMA path (the tensor-core path, from bucket 8,
     permutes K inside each MMA) and moe_gate_up gives each expert's reduction to one warp (at batch 1 it
-    would split it over two); the other expert, residual, norm and KDA kernels already do (one row's reduction never depends on the other rows or on the bucket's tiling); the MLA
-    split-context decode picks fewer context splits for larger buckets, so here it takes bucket 1's split
-    count (more CTAs and workspace at large buckets, same sums)."""
+    would split it over two); moe_down_combine, the residual, norm and KDA kernels already do (one row's
+    reduction never depends on the other rows or on the bucket's tiling); the MLA split-context decode picks
+    fewer context splits for larger buckets, so here it takes bucket 1's split count (more CTAs and
+    workspace at large buckets, same sums)."""
     specs, note = _LOWERING[dialect.op_name(node)](node, bucket, tp)
     specs, split = _split_prologues(specs, rms_norm=not batch_invariant and bucket >= PROLOGUE_SPLIT_BUCKET)
     if split:
