@@ -4,8 +4,9 @@ The baselines (issue #6): ``eager`` (the reference model: MXFP4 experts dequanti
 ``eager-bf16`` (the same model with the routed experts served from bf16 copies dequantised once, for the
 bench only), both also captured once into a CUDA graph and replayed per step (``eager-graph``,
 ``eager-bf16-graph``), and ``inductor`` (``torch.compile``). The eager decode validates its inputs with a
-host sync (``check_decode_inputs`` in models/model.py), which a CUDA graph cannot capture: while it does,
-the ``-graph`` rows carry that failure (and the line that raised it) as their note.
+host sync (``check_decode_inputs`` in models/model.py), which a CUDA graph cannot capture: the warm-up steps
+run the real check, the capture a sync-free one (``_unchecked_inputs``), as k3compile's rows run with
+``check_inputs=False``. A row that cannot run carries the failure (and the line that raised it) as its note.
 
 For every (context, bucket) the same model, state and tokens run through each system; each figure is the
 mean over ``--steps`` consecutive decode steps (the state advances, as in serving) between CUDA events,

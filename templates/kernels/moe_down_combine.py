@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
-from k3compile.templates.kernels.moe_lib import block_mma, group_pairs
+from k3compile.templates.kernels.moe_lib import block_mma, group_buffers, group_pairs
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -68,14 +68,7 @@ class Kernel:
         warp = cute.arch.warp_idx()
         row0 = cute.arch.block_idx()[0] * 16
         smem = cutlass.utils.SmemAllocator()
-        sIds = smem.allocate_tensor(Int32, cute.make_layout((P,)), 16)
-        sPairs = smem.allocate_tensor(Int32, cute.make_layout((P,)), 16)
-        sCount = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
-        sOff = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
-        sAct = smem.allocate_tensor(Int32, cute.make_layout((MAXA,)), 16)
-        sStart = smem.allocate_tensor(Int32, cute.make_layout((MAXA,)), 16)
-        sNum = smem.allocate_tensor(Int32, cute.make_layout((MAXA,)), 16)
-        sTot = smem.allocate_tensor(Int32, cute.make_layout((2 * WARPS,)), 16)
+        sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, P, WARPS)
         sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16)  # per (token, slot), per row
 
         for e in cutlass.range(tid, E, THREADS, unroll=1):

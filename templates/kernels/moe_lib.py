@@ -13,6 +13,14 @@ from k3compile.templates.kernels.mxfp4_lib import (bf16x2_mul, decode_e2m1x8_sub
                                                    pair_lo4, scale_bf16x2)
 
 
+def group_buffers(smem, E: int, P: int, WARPS: int):
+    """Shared memory for group_pairs: (sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot). Plain Python,
+    traced into the kernel."""
+    maxa = min(E, P)  # distinct experts at most
+    sizes = (P, P, E, E, maxa, maxa, maxa, 2 * WARPS)
+    return tuple(smem.allocate_tensor(Int32, cute.make_layout((n,)), 16) for n in sizes)
+
+
 @cute.jit
 def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPairs: cute.Tensor, sAct: cute.Tensor,
                 sStart: cute.Tensor, sNum: cute.Tensor, sTot: cute.Tensor, tid, lane, warp, E: cutlass.Constexpr,

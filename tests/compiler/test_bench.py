@@ -177,3 +177,14 @@ def test_a_failed_capture_is_one_line_naming_the_host_sync():
     assert note.startswith("RuntimeError: CUDA error: operation failed due to a previous error during capture "
                            "(after RuntimeError: CUDA error: operation not permitted when stream is capturing)")
     assert note.endswith(" check") and "test_bench.py:" in note and "\n" not in note
+
+
+def test_the_graph_capture_skips_only_the_input_checks_host_sync():
+    import models.model  # noqa: F401  (registers k3model::check_decode_inputs)
+
+    bad_ids, lengths = torch.tensor([-1]), torch.tensor([3])
+    with bench._unchecked_inputs():  # what the capture of an eager-*-graph row runs
+        pos = torch.ops.k3model.check_decode_inputs(bad_ids, lengths, 10, 100)
+        assert torch.equal(pos, lengths) and pos.data_ptr() != lengths.data_ptr()
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # the real check is back
+        torch.ops.k3model.check_decode_inputs(bad_ids, lengths, 10, 100)
