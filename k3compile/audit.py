@@ -1,9 +1,10 @@
 """Memory-ordering audit of generated kernels, read from their PTX (not from the template source).
 
-A decode kernel launched with programmatic dependent launch starts while the kernel before it is still
-running; only after ``griddepcontrol.wait`` are that kernel's writes visible. So before the wait a kernel
-may touch **static weights only** (load them, prefetch them into L2): an activation, decode state,
-output or workspace read earlier can see stale data. That is exactly the bug a compiler once introduced by
+Every decode kernel is launched with programmatic dependent launch (PDL): it starts while the kernel
+before it is still running; only after ``griddepcontrol.wait`` are that kernel's writes visible (and its
+reads done). So before the wait a kernel may touch **static weights only** (load them, prefetch them into
+L2): an activation, decode state, output or workspace read earlier can see stale data, and a store
+earlier can overwrite what the previous kernel still reads. That is exactly the bug a compiler once introduced by
 hoisting an activation read above a synchronization wait; it passes every test that happens to run the
 kernels back to back slowly enough.
 
@@ -12,8 +13,8 @@ How the audit decides, per kernel entry in the PTX:
 1. each entry parameter is one kernel argument (its role comes from the template: ``weight`` or not);
 2. registers carry the set of parameters they were computed from (``ld.param`` starts it; every
    instruction's destinations get the union of its sources' sets, loads included);
-3. every global memory access (``ld`` outside param/shared/local/const space, ``cp.async``, ``prefetch``,
-   ``atom``/``red``) that appears before the entry's first ``griddepcontrol.wait`` must use an address
+3. every global memory access (``ld``/``st`` outside param/shared/local/const space, ``cp.async``,
+   ``prefetch``, ``atom``/``red``) that appears before the entry's first ``griddepcontrol.wait`` must use an address
    computed from weight parameters only;
 4. an entry that reads any non-weight argument must contain a ``griddepcontrol.wait`` at all.
 
@@ -40,7 +41,9 @@ class Violation:
     args: list[str]
 
     def __str__(self) -> str:
-        return (f"{self.entry}: line {self.line}: `{self.instruction}` reads {', '.join(self.args)} before "
+        verb = ("writes" if self.instruction.startswith("st.") else
+                "accesses" if self.instruction.startswith("(") else "reads")
+        return (f"{self.entry}: line {self.line}: `{self.instruction}` {verb} {', '.join(self.args)} before "
                 f"griddepcontrol.wait")
 
 
@@ -104,6 +107,8 @@ def _is_global_access(op: str) -> tuple[bool, int]:
     head = parts[0]
     if head in ("ld", "ldu"):
         return (not any(s in parts for s in _NON_GLOBAL)), 1
+    if head == "st":
+        return (not any(s in parts for s in _NON_GLOBAL)), 0
     if head == "cp" and len(parts) > 1 and parts[1] == "async":
         return True, 1  # cp.async(.bulk...) dst, [src]: the source is global
     if head == "prefetch" or head == "prefetchu":

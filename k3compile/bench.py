@@ -78,6 +78,7 @@ class Row:
     extra_mem_mb: float = float("nan")
     note: str = ""
     kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us"}] per step, slowest first
+    input_copies: int = -1  # k3compile: torch copies of strided kernel inputs per step (runtime.input_copies)
 
     @property
     def x_floor(self) -> float:
@@ -141,7 +142,9 @@ def _time_steps(fn, steps: int) -> float:
 
 def _profile_kernels(fn, steps: int = 3) -> tuple[int, list[dict]]:
     """Kernel launches per step and the per-kernel GPU time per step (profiler, ``steps`` steps averaged):
-    [{"name", "calls", "us"}], slowest first. Copies and memsets are not kernels and are not counted."""
+    [{"name", "calls", "us"}], slowest first. Copies and memsets are not kernels and are not counted. The
+    generated kernels are launched with PDL: a kernel starts while its predecessor still runs and waits for
+    it inside (griddepcontrol.wait), so its time here includes that overlap (the sum exceeds the step)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -232,6 +235,12 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                         state.lengths.fill_(ctx)
                         row.us_per_step = _time_steps(fn, steps)
                         row.launches, row.kernels = _profile_kernels(fn)
+                        if system.startswith("k3compile"):
+                            from . import runtime
+
+                            runtime.reset_launch_counts()
+                            fn()
+                            row.input_copies = sum(runtime.input_copies().values())
                         row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
                     except Exception as e:  # a baseline that cannot run is reported, not hidden
                         row.note = _note(e)
@@ -242,7 +251,8 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                 rows.append(row)
                 log(_fmt(row))
                 if row.kernels and system.startswith("k3compile"):
-                    log(_fmt_kernels(row.kernels))
+                    log(_fmt_kernels(row.kernels) + f"\n    input copies per step (torch, strided kernel inputs): "
+                                                    f"{row.input_copies}")
                 if partial:
                     partial(_result(bw, rows))
                 fn = lowered = state = None  # the closures hold the state: drop both before the next row
@@ -438,8 +448,9 @@ def _fmt(r: Row) -> str:
 def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:
     """The slowest kernels of one step (µs per step, calls per step), and what the rest add up to."""
     total = sum(k["us"] for k in kernels)
-    lines = [f"    {k['us']:9.1f} us {100 * k['us'] / total:5.1f} %  x{k['calls']:<5g} {k['name'][:90]}"
-             for k in kernels[:top]]
+    lines = ["    (PDL: a kernel's time includes its overlap with the one before it)"]
+    lines += [f"    {k['us']:9.1f} us {100 * k['us'] / total:5.1f} %  x{k['calls']:<5g} {k['name'][:90]}"
+              for k in kernels[:top]]
     rest = kernels[top:]
     if rest:
         lines.append(f"    {sum(k['us'] for k in rest):9.1f} us in {len(rest)} more kernels")

@@ -506,8 +506,9 @@ def summary(manifest: dict) -> str:
         lines.append(f"  compiled for {manifest['arch']}: max {worst} registers; spills in {len(spills)} kernels"
                      + (f" ({', '.join(spills[:5])})" if spills else ""))
         bad = [n for n, k in manifest["kernels"].items() if not k["audit"]["ok"]]
-        lines.append(f"  memory-ordering audit (PTX: only weights read before griddepcontrol.wait): "
-                     f"{len(manifest['kernels']) - len(bad)} of {len(manifest['kernels'])} kernels pass")
+        n_all = len(manifest["kernels"])
+        lines.append(f"  memory-ordering audit (PTX: only weights read, nothing written, before "
+                     f"griddepcontrol.wait): {n_all - len(bad)} of {n_all} kernels pass")
         for n in bad:
             lines += [f"  audit FAILED: {p}" for p in manifest["kernels"][n]["audit"]["problems"]]
     lines.append(f"  coverage: {cov['covered']} of {cov['plan_launches']} plan launches have kernels")

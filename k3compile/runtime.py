@@ -48,6 +48,7 @@ log = logging.getLogger("k3compile")
 
 _LAUNCHES: collections.Counter = collections.Counter()  # kernel name -> launches
 _FALLBACKS: collections.Counter = collections.Counter()  # dialect op -> eager runs (fallbacks)
+_COPIES: collections.Counter = collections.Counter()  # "kernel:argument" -> inputs copied to fit the kernel
 
 
 def launch_counts() -> dict[str, int]:
@@ -60,9 +61,17 @@ def eager_fallbacks() -> dict[str, int]:
     return dict(_FALLBACKS)
 
 
+def input_copies() -> dict[str, int]:
+    """``"kernel:argument"`` -> times an input was copied before a launch because it was not the compact,
+    aligned tensor the kernel takes (a strided view such as a column slice of a fused GEMV output at batch
+    > 1): each copy is an extra torch kernel on the hot path, counted here rather than hidden."""
+    return dict(_COPIES)
+
+
 def reset_launch_counts() -> None:
     _LAUNCHES.clear()
     _FALLBACKS.clear()
+    _COPIES.clear()
     _SHADOW.clear()
 
 
@@ -177,14 +186,25 @@ def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
                             f"tensor (a k3compile.comm bug: please report it)")
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     out.copy_(t)
+    _count(f"copy:{kernel}:{a.name}")
     return out
 
 
 _RECORDING: list | None = None  # kernel names launched while a CUDA graph is being captured
 
 
+def _counter(name: str) -> tuple[collections.Counter, str]:
+    """The counter a recorded name goes to: ``eager:op`` fallbacks, ``copy:kernel:arg`` input copies, else
+    kernel launches."""
+    for prefix, counter in (("eager:", _FALLBACKS), ("copy:", _COPIES)):
+        if name.startswith(prefix):
+            return counter, name.removeprefix(prefix)
+    return _LAUNCHES, name
+
+
 def _count(name: str) -> None:
-    _LAUNCHES[name] += 1
+    counter, key = _counter(name)
+    counter[key] += 1
     if _RECORDING is not None:
         _RECORDING.append(name)
 
@@ -704,7 +724,8 @@ class KernelDispatcher:
         static_tokens.copy_(args[self.token_index])
         graph.replay()
         for name in launches:
-            (_FALLBACKS if name.startswith("eager:") else _LAUNCHES)[name.removeprefix("eager:")] += 1
+            counter, key = _counter(name)
+            counter[key] += 1
         return type(outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in outputs)
 
     def _capture(self, bg: BoundGraph, args: list):
@@ -722,8 +743,10 @@ class KernelDispatcher:
         finally:
             _RECORDING = None
         for name in launches:  # captured, not run: counted at each replay instead
-            (_FALLBACKS if name.startswith("eager:") else _LAUNCHES)[name.removeprefix("eager:")] -= 1
-        log.info("k3compile: captured bucket %d into a CUDA graph (%d kernel launches)", bg.bucket, len(launches))
+            counter, key = _counter(name)
+            counter[key] -= 1
+        log.info("k3compile: captured bucket %d into a CUDA graph (%d kernel launches, %d input copies)", bg.bucket,
+                 sum(_counter(n)[0] is _LAUNCHES for n in launches), sum(_counter(n)[0] is _COPIES for n in launches))
         return graph, static_tokens, outputs, launches
 
     def coverage(self, counts: dict | None = None, fallbacks: dict | None = None) -> dict:

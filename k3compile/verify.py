@@ -14,7 +14,8 @@ One command, one report (Markdown + JSON) a reviewer can accept or reject withou
    divergence), and the same steps teacher-forced on eager's tokens (per-step logit error percentiles,
    top-1 agreement);
 4. cross-bucket consistency -- a sequence alone (bucket 1) and padded into every larger bucket;
-5. memory-ordering audit -- every kernel's PTX: only weights read before ``griddepcontrol.wait``;
+5. memory-ordering audit -- every kernel's PTX: only weights read (nothing written) before
+   ``griddepcontrol.wait``;
 6. scope -- buckets, TP, arch, what runs as torch glue or eagerly, and why;
 7. performance -- ``k3compile bench`` rows, when a GPU is present.
 
@@ -141,8 +142,13 @@ def verify(*, checkpoint: str | None = None, buckets=(1, 4), steps: int = 1000, 
     c = Check("coverage proof", data={"kernels": cov["kernels"], "calls": cov["calls"]})
     for p in cov["problems"]:
         c.fail(p)
+    copies = runtime.input_copies()
+    c.data["input_copies"] = copies
     c.summary = (f"{len(cov['kernels'])} distinct kernels, {sum(r['launched'] for r in cov['kernels'])} launches "
-                 f"over {len(batches)} steps (batches {batches}); {len(cov['problems'])} problems")
+                 f"over {len(batches)} steps (batches {batches}); {len(cov['problems'])} problems; "
+                 f"{sum(copies.values())} input copies")
+    c.details.append("input copies (torch copies of strided kernel inputs, not kernels; a cost, not an error): "
+                     + (", ".join(f"{k} x{v}" for k, v in sorted(copies.items())) if copies else "none"))
     checks.append(c)
 
     log(f"verify: coverage {c.status} ({time.time() - t0:.0f} s)")

@@ -22,6 +22,8 @@ _ROUTING = {"renormalize": True, "scaling_factor": 2.5}
 _SITU = {"beta": 4.0, "linear_beta": 25.0}
 _BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
+SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
+DOWN_WARPS = 4  # moe_down_combine warps per CTA (one CTA per 16 output rows)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 
 
@@ -113,12 +115,29 @@ class MoeGateUp(_RoutedExperts):
         tasks = min(n_experts, bucket * top_k) * (inter // 16)  # (active expert, row tile) at most
         # warps per task: split the reduction (KSPLIT 2) only while there are fewer tasks than warps to run
         # them; a warp with a whole task pipelines its k-steps and needs no shared-memory reduction. Register
-        # budget: 3 CTAs per SM (<= 170 registers) with whole tasks; the split variant needs more, 2 per SM.
+        # budget: up to 3 CTAs per SM (<= 170 registers) with whole tasks; the split variant needs more, 2 per SM.
         wpc = GATE_UP_WARPS
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
             ksplit = 2 if tasks * 2 <= 2 * 132 * wpc and latent >= 256 else 1
         need(ksplit == 1 or latent >= 256, f"{self.name}: ksplit=2 needs latent >= 256 (two k-steps)")
-        occ = 3 if ksplit == 1 else 2
+        # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
+        # share of the steps, at most 8); a stage is 32 lanes x (8 x 16 + 4 x 4) bytes (weights, activations,
+        # scales; the activations only with more than one token). With whole tasks, 3 CTAs per SM or 2 with a
+        # deeper ring: whichever keeps more k-steps in flight per SM (the one being decoded does not count).
+        p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
+        fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, padding
+        fixed += latent * 2 if bucket == 1 else 16  # one token's activations are staged once per CTA
+        per_stage = wpc * 32 * ((8 if bucket > 1 else 4) * 16 + 4 * 4)
+        my_steps = -(-(latent // 128) // ksplit)
+        options = []
+        for occ in ((3, 2) if ksplit == 1 else (2,)):
+            room = (SMEM_PER_SM // occ - 1024 - fixed) // per_stage
+            stages = min(8, my_steps, room)
+            if room >= min(2, my_steps):
+                options.append((occ * (stages - 1), occ, stages))
+        need(bool(options), f"{self.name}: bucket {bucket} x top_k {top_k} leaves shared memory for fewer than 2 "
+                            f"k-steps in flight per warp; use a smaller bucket")
+        _, occ, stages = max(options)
         ctas = min(-(-tasks // (wpc // ksplit)), occ * 132)
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"),
@@ -132,7 +151,8 @@ class MoeGateUp(_RoutedExperts):
                 const("KSPLIT", ksplit, "warps sharing one task (they split its reduction); WARPS / KSPLIT tasks "
                                         "per CTA at a time"),
                 const("CTAS", ctas, "persistent CTAs (tasks are strided over their task slots)"),
-                const("OCC", occ, "CTAs per SM (register budget: 65536 / (OCC * THREADS))")]
+                const("OCC", occ, "CTAs per SM (register budget: 65536 / (OCC * THREADS))"),
+                const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
@@ -203,10 +223,21 @@ class MoeDownCombine(_RoutedExperts):
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(latent % 16 == 0, f"{self.name}: latent={latent} must be a multiple of 16 (MMA tiles of 16 output "
                                f"rows); pad the latent size")
+        # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
+        # (a stage: 32 lanes x per k-step two 16-byte weight chunks and, when I/32 % 4 == 0, two scale words)
+        warps, nb = DOWN_WARPS, inter // 32
+        steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
+        fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * warps) + 2 * p * 16 + 1024  # grouping, sPart, padding
+        per_stage = warps * 32 * steps * 2 * (16 + (4 if nb % 4 == 0 else 0))
+        room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
+        need(room >= 1, f"{self.name}: bucket {bucket} x top_k {top_k} leaves no shared memory for the weight ring; "
+                        f"use a smaller bucket")
+        stages = min(4, room, -(-maxa // warps))
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"), const("L", latent, "latent size (rows of W2, outputs)"),
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
-                const("WARPS", 4, "warps per CTA (they take the active experts in turn)")]
+                const("WARPS", warps, "warps per CTA (they take the active experts in turn)"),
+                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

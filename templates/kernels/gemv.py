@@ -109,10 +109,10 @@ class Kernel:
         # 64 registers for occupancy and spills).
         if cutlass.const_expr(MMA):
             self.kernel_mma(cute.recast_tensor(mW, Uint32), cute.recast_tensor(mX, Uint32), mYf, mYb).launch(
-                grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream)
+                grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
         else:
             self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
-                                                        min_blocks_per_mp=1)
+                                                        use_pdl=True, min_blocks_per_mp=1)
 
     @cute.jit
     def k_step(self, kv, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc):
@@ -177,6 +177,7 @@ class Kernel:
                     cute.arch.prefetch(gW.iterator.llvm_ptr, cache_level="L2")
 
         cute.arch.griddepcontrol_wait()  # everything below may read the previous kernel's activations
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         if cutlass.const_expr(PRO == "rms_norm"):
             # rstd of every batch row: warps split the rows, lanes split K, one butterfly per row.
@@ -222,8 +223,6 @@ class Kernel:
                             else:
                                 mYb[m0 + b, n - N_F32] = total.to(BFloat16)
 
-        cute.arch.griddepcontrol_launch_dependents()
-
     @cute.kernel
     def kernel_mma(self, mWq: cute.Tensor, mXq: cute.Tensor, mYf, mYb):
         """Tensor-core path (MMA): CTA = 16 rows of W (the MMA's M), batch rows in NT column tiles of 8 (its N),
@@ -246,6 +245,7 @@ class Kernel:
         acc = cute.make_rmem_tensor((4 * NT,), Float32)
         acc.fill(0.0)
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         for s in cutlass.range(warp, KC, WARPS, unroll=1):
             kb = 4 * s + t  # this lane's chunk of 32 elements
             cute.autovec_copy(cute.local_tile(mWq[rg, None], (16,), (kb,)), cute.local_tile(rW, (16,), (0,)))
@@ -283,4 +283,3 @@ class Kernel:
                         mYf[m, n] = total
                     else:
                         mYb[m, n - N_F32] = total.to(BFloat16)
-        cute.arch.griddepcontrol_launch_dependents()

@@ -28,8 +28,8 @@ per-warp partials of o_j = sum_i S_ij q_i -> shared memory. Warp 0 finishes: o_j
 
 Expected speed (H200, ~4.8 TB/s HBM): for M*H >= a few hundred CTAs the state stream should run at 70-85 % of
 HBM bandwidth (64 KB in flight per CTA); at M*H = 8..12 (batch 1) only 8..12 SMs work, so the step is latency
-bound (~3-5 us). All shapes are static; the runtime pads the batch to the bucket M. The launch does not ask
-for PDL (like the other templates); griddepcontrol wait/launch_dependents are no-ops unless it does.
+bound (~3-5 us). All shapes are static; the runtime pads the batch to the bucket M. Launched with PDL like
+every template: the state and activations are read only after griddepcontrol.wait.
 """
 
 import operator
@@ -66,7 +66,7 @@ class Kernel:
                  mS: cute.Tensor, mWq: cute.Tensor, mWk: cute.Tensor, mWv: cute.Tensor, mALog: cute.Tensor,
                  mDtBias: cute.Tensor, mOw: cute.Tensor, mY: cute.Tensor, stream):
         self.kernel(mQ, mK, mV, mFa, mFb, mBeta, mG, mCq, mCk, mCv, mS, mWq, mWk, mWv, mALog, mDtBias, mOw,
-                    mY).launch(grid=(H, M, 1), block=(THREADS, 1, 1), stream=stream)
+                    mY).launch(grid=(H, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
     @cute.jit
     def load_window(self, mX: cute.Tensor, mC: cute.Tensor, mWc: cute.Tensor, m, c, rWin: cute.Tensor,
@@ -127,6 +127,7 @@ class Kernel:
         cute.autovec_copy(cute.local_tile(mOw, (VEC,), (lane,)), rOw)
 
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         # the whole state tile of this thread, in flight while the prologue runs
         rS = cute.make_rmem_tensor((VEC, ROWS), Float32)
@@ -234,4 +235,3 @@ class Kernel:
                 sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
                 rY[v] = (rO[v] * rstd * rOw[v].to(Float32) * sig).to(BFloat16)
             cute.autovec_copy(rY, cute.local_tile(mY[m, None], (VEC,), (h * (D // VEC) + lane,)))
-        cute.arch.griddepcontrol_launch_dependents()

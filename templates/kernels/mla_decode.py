@@ -88,10 +88,10 @@ class Kernel:
                  mCache: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
                  mLatent: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor, stream):
         self.kernel(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsOl, mWsMl).launch(
-            grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=MIN_CTAS,
+            grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=MIN_CTAS,
             preferred_smem_carveout=100)
         self.combine_kernel(mGate, mLengths, mKvB, mOut, mWsOl, mWsMl).launch(
-            grid=(H, M, 1), block=(COMBINE_THREADS, 1, 1), stream=stream)
+            grid=(H, M, 1), block=(COMBINE_THREADS, 1, 1), stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------------------------ helpers
     @cute.jit
@@ -161,6 +161,7 @@ class Kernel:
         rOl = cute.make_rmem_tensor((VEC, CCH), Float32)
         rStage = cute.make_rmem_tensor((VEC, STAGE), BFloat16)
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         length, n, nact, chunk = self.splits_of(mLengths, row)
         start = split * chunk
@@ -248,7 +249,6 @@ class Kernel:
                 if lane == 0:
                     mWsMl[row, split, head, 0] = m_run
                     mWsMl[row, split, head, 1] = l_run
-        cute.arch.griddepcontrol_launch_dependents()
 
     # ------------------------------------------------------- kernel 2: combine, W_uv, output gate
     @cute.kernel
@@ -267,6 +267,7 @@ class Kernel:
         rOlc = cute.make_rmem_tensor((VEC, CCH), Float32)
         rWv = cute.make_rmem_tensor((VEC, CCH), BFloat16)
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         length, n, nact, chunk = self.splits_of(mLengths, row)
         m_all = Float32(NEG)
@@ -305,4 +306,3 @@ class Kernel:
             col = head * V + g * 32 + lane
             gate = Float32(mGate[row, col])
             mOut[row, col] = (mine / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))).to(BFloat16)
-        cute.arch.griddepcontrol_launch_dependents()

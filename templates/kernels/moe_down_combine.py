@@ -10,9 +10,13 @@ Grid: one CTA per tile of 16 output rows (l). Every CTA groups the (token, slot)
 shared memory (moe_lib.group_pairs), then its WARPS warps take the active experts in turn: for expert e the
 warp runs W2[e] rows l0..l0+15 against the h rows of the tokens that picked e, 8 tokens per
 ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate; rows are the MMA's M, tokens its N), over the whole
-reduction I in k-steps of 4 MX blocks (lane t of a quad loads block 4*step + t of rows g and g+8, 128-bit;
-a last step with fewer than 4 blocks leaves the other lanes' operands zero). Decode as in moe_gate_up
-(moe_lib.block_mma). The weights of an expert's next turn are prefetched into L2 (one bulk prefetch).
+reduction I in k-steps of 4 MX blocks (lane t of a quad covers block 4*step + t of rows g and g+8; a last
+step with fewer than 4 blocks leaves the other lanes' operands zero). A warp's experts stream through a
+``cp.async`` ring of STAGES experts in shared memory (16-byte weight copies and, when I/32 is a multiple of
+4, the scale words; a lane reads back only what it copied itself, so no barrier), so STAGES - 1 experts are
+in flight while one is computed; the expert after the ring's last is prefetched into L2 (one bulk
+prefetch), and a column's activations for the whole reduction are loaded at once. Decode as in moe_gate_up
+(moe_lib.block_mma).
 Each (token, slot) result, rounded to bf16, is stored once in shared memory; after a barrier every
 (token, row) sums its TOPK slots in slot order with the routing weights: the combine happens in the CTA,
 deterministic, no atomics, no workspace. Each weight byte of an active expert is read by one CTA, once.
@@ -21,6 +25,7 @@ deterministic, no atomics, no workspace. Each weight byte of an active expert is
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
 from k3compile.templates.kernels.moe_lib import block_mma, group_buffers, group_pairs
@@ -33,6 +38,7 @@ TOPK = 4  # experts per token
 L = 128  # latent size (rows of W2, outputs)
 I = 256  # intermediate size (reduction length of down on this rank)
 WARPS = 8  # warps per CTA (they take the active experts in turn)
+STAGES = 2  # experts' weights in flight per warp (cp.async ring in shared memory)
 # <<< constants
 
 NB = I // 32  # MX blocks per W2 row
@@ -41,6 +47,7 @@ CTAS = L // 16  # one CTA per 16 output rows
 P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
+SCALE_RING = NB % 4 == 0  # scale rows are whole 4-byte words: the scales travel in the ring too
 
 
 class Kernel:
@@ -49,8 +56,9 @@ class Kernel:
                  mS2: cute.Tensor, mY: cute.Tensor, stream):
         mHq = cute.recast_tensor(mH, Uint32)  # [M, TOPK, I/2] bf16 pairs
         mW2q = cute.recast_tensor(mW2, Uint32)  # [E, L, I/8] 8 codes per word
-        self.kernel(mHq, mIds, mWts, mW2q, mS2, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
-                                                           stream=stream)
+        mS2q = cute.recast_tensor(mS2, Uint32) if SCALE_RING else mS2  # [E, L, NB/4]: a k-step's 4 scales per word
+        self.kernel(mHq, mIds, mWts, mW2q, mS2q, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
+                                                           stream=stream, use_pdl=True)
 
     @cute.jit
     def prefetch_expert(self, a, n_active, sAct: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
@@ -59,6 +67,45 @@ class Kernel:
             e = sAct[a]
             cp_async_bulk_prefetch(mW2q[e, row0, None].iterator, 16 * (I // 2))
             cp_async_bulk_prefetch(mS2[e, row0, None].iterator, 16 * (I // 32))
+
+    @cute.jit
+    def issue_expert(self, mW2q: cute.Tensor, mS2: cute.Tensor, e, row0, g, t, sW: cute.Tensor, sS: cute.Tensor,
+                     lane):
+        """cp.async of this lane's share of expert e into one ring stage (sW [2 STEPS, 32, 4] words, sS [2 STEPS,
+        32]): per k-step s, MX block 4s + t of rows g and g + 8 (16 bytes each; none past I) and, with
+        SCALE_RING, the word holding the scales of blocks 4s .. 4s + 3 of each row (the quad's lanes copy the
+        same words). A lane reads back only what it copied itself: no barrier."""
+        big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
+                                  num_bits_per_copy=128)
+        word = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint32, num_bits_per_copy=32)
+        for s in cutlass.range_constexpr(STEPS):
+            blk = 4 * s + t
+            for r in cutlass.range_constexpr(2):
+                row = row0 + g + 8 * r
+                if blk < NB:
+                    cute.copy(big, cute.local_tile(mW2q[e, row, None], (4,), (blk,)), sW[2 * s + r, lane, None])
+                if cutlass.const_expr(SCALE_RING):
+                    cute.copy(word, cute.local_tile(mS2[e, row, None], (1,), (s,)),
+                              cute.local_tile(sS[2 * s + r, None], (1,), (lane,)))
+
+    @cute.jit
+    def read_expert(self, mS2: cute.Tensor, e, row0, g, t, sW: cute.Tensor, sS: cute.Tensor, lane, rW: cute.Tensor,
+                    rS: cute.Tensor):
+        """This lane's weights and scale bytes of expert e from its landed ring stage (zero operands past I;
+        without SCALE_RING the scale bytes come from global memory)."""
+        for s in cutlass.range_constexpr(STEPS):
+            blk = 4 * s + t
+            for r in cutlass.range_constexpr(2):
+                if blk < NB:
+                    cute.autovec_copy(sW[2 * s + r, lane, None], cute.local_tile(rW, (4,), (2 * s + r,)))
+                    if cutlass.const_expr(SCALE_RING):
+                        rS[2 * s + r] = (sS[2 * s + r, lane] >> Uint32(8 * t)) & Uint32(0xFF)
+                    else:
+                        rS[2 * s + r] = Uint32(mS2[e, row0 + g + 8 * r, blk])
+                else:  # past I in a partial last step: zero operands
+                    for i in cutlass.range_constexpr(4):
+                        rW[8 * s + 4 * r + i] = Uint32(0)
+                    rS[2 * s + r] = Uint32(127)
 
     @cute.kernel
     def kernel(self, mHq: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW2q: cute.Tensor,
@@ -70,10 +117,16 @@ class Kernel:
         smem = cutlass.utils.SmemAllocator()
         sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, P, WARPS)
         sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16)  # per (token, slot), per row
+        # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
+        sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32, 4),
+                                                           stride=(STAGES * STEPS * 256, STEPS * 256, 128, 4, 1)), 16)
+        sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32),
+                                                           stride=(STAGES * STEPS * 64, STEPS * 64, 32, 1)), 16)
 
         for e in cutlass.range(tid, E, THREADS, unroll=1):
             sCount[e] = Int32(0)
         cute.arch.griddepcontrol_wait()  # h, ids and weights come from moe_gate_up
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         for p in cutlass.range(tid, P, THREADS, unroll=1):
             sIds[p] = mIds[p // TOPK, p % TOPK]
         cute.arch.sync_threads()
@@ -83,39 +136,44 @@ class Kernel:
         t = lane % 4  # which block of a k-step this lane loads
         rW = cute.make_rmem_tensor((8 * STEPS,), Uint32)  # per step: rows g, g + 8 (4 words each)
         rS = cute.make_rmem_tensor((2 * STEPS,), Uint32)
-        rX = cute.make_rmem_tensor((16,), Uint32)
+        rX = cute.make_rmem_tensor((16 * STEPS,), Uint32)  # the whole reduction's activations of the lane's column
         acc = cute.make_rmem_tensor((4,), Float32)
-        if lane == 0:
-            self.prefetch_expert(warp, n_active, sAct, mW2q, mS2, row0)
-        for a in cutlass.range(warp, n_active, WARPS, unroll=1):
-            if lane == 0:  # this warp's next expert
-                self.prefetch_expert(a + WARPS, n_active, sAct, mW2q, mS2, row0)
+        n_mine = (n_active - warp + WARPS - 1) // WARPS  # this warp's experts: warp, warp + WARPS, ...
+        # a ring of STAGES experts in flight: one cp.async group per expert (empty past the warp's last)
+        for k in cutlass.range_constexpr(STAGES - 1):
+            if k < n_mine:
+                self.issue_expert(mW2q, mS2, sAct[warp + k * WARPS], row0, g, t, sW[warp, k, None, None, None],
+                                  sS[warp, k, None, None], lane)
+            cute.arch.cp_async_commit_group()
+        for k in cutlass.range(n_mine, unroll=1):
+            if lane == 0:  # the expert after the ring's last: into L2 now
+                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, sAct, mW2q, mS2, row0)
+            nxt = k + STAGES - 1
+            if nxt < n_mine:
+                self.issue_expert(mW2q, mS2, sAct[warp + nxt * WARPS], row0, g, t,
+                                  sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None], lane)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(STAGES - 1)  # expert k has landed
+            a = warp + k * WARPS
             e = sAct[a]
             start = sStart[a]
             num = sNum[a]
-            for s in cutlass.range_constexpr(STEPS):  # the whole reduction's weights of this lane, in flight
-                blk = 4 * s + t
-                if blk < NB:
-                    for r in cutlass.range_constexpr(2):
-                        cute.autovec_copy(cute.local_tile(mW2q[e, row0 + g + 8 * r, None], (4,), (blk,)),
-                                          cute.local_tile(rW, (4,), (2 * s + r,)))
-                        rS[2 * s + r] = Uint32(mS2[e, row0 + g + 8 * r, blk])
-                else:  # past I in a partial last step: zero operands
-                    for i in cutlass.range_constexpr(8):
-                        rW[8 * s + i] = Uint32(0)
-                    rS[2 * s] = Uint32(127)
-                    rS[2 * s + 1] = Uint32(127)
+            self.read_expert(mS2, e, row0, g, t, sW[warp, k % STAGES, None, None, None], sS[warp, k % STAGES, None,
+                                                                                             None], lane, rW, rS)
             for nt in cutlass.range(0, num, 8, unroll=1):
                 col = nt + g
                 pair = sPairs[start + cutlass.min(col, num - 1)]
                 acc.fill(0.0)
-                for s in cutlass.range_constexpr(STEPS):
+                for s in cutlass.range_constexpr(STEPS):  # every step's activations in flight at once
                     blk = 4 * s + t
                     if (col < num) & (blk < NB):
-                        cute.autovec_copy(cute.local_tile(mHq[pair // TOPK, pair % TOPK, None], (16,), (blk,)), rX)
+                        cute.autovec_copy(cute.local_tile(mHq[pair // TOPK, pair % TOPK, None], (16,), (blk,)),
+                                          cute.local_tile(rX, (16,), (s,)))
                     else:
-                        rX.fill(0)
-                    block_mma(rW, 8 * s, rS[2 * s], rS[2 * s + 1], rX, acc, 0)
+                        for i in cutlass.range_constexpr(16):
+                            rX[16 * s + i] = Uint32(0)
+                for s in cutlass.range_constexpr(STEPS):
+                    block_mma(rW, 8 * s, rS[2 * s], rS[2 * s + 1], cute.local_tile(rX, (16,), (s,)), acc, 0)
                 for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                     cc = nt + 2 * t + i % 2
                     if cc < num:
@@ -128,4 +186,3 @@ class Kernel:
             for j in cutlass.range_constexpr(TOPK):
                 total = total + sPart[m * TOPK + j, r].to(Float32) * mWts[m, j]
             mY[m, row0 + r] = total.to(BFloat16)
-        cute.arch.griddepcontrol_launch_dependents()

@@ -10,8 +10,9 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
 
 1. Routing (every CTA, the same result; CTA 0 alone writes ids/weights). Warp w selects tokens w, w+WARPS,
    ...: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32), and each of TOPK rounds
-   is a lane-local max (a tree of selects) plus two ``redux.sync`` (max key, then min id among the lanes
-   holding it: lower id wins ties); the winner's score comes from its lane by one shuffle (no load).
+   is a lane-local max (a tree of selects carrying key, index and score) plus two ``redux.sync`` (max key,
+   then min id among the lanes holding it: lower id wins ties); the winner's score comes from its lane by
+   one shuffle (no load). Lane j keeps round j's winner; the TOPK lanes store ids and weights at the end.
 2. Grouping by expert in shared memory: a histogram of the M*TOPK selected ids (shared atomics), one block
    scan over E experts gives each active expert its start in a list of (token, slot) pairs, and a scatter
    fills the list. Each distinct expert is then read and decoded once per step, however many tokens
@@ -21,8 +22,12 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    the reduction and meet in shared memory behind a named barrier per slot). Tokens of the group are the
    MMA N dimension (8 per ``mma.sync.m16n8k16``, bf16 in, fp32 accumulate), rows the M dimension. In a
    k-step a quad (lanes 4g..4g+3) covers 4 MX blocks, lane t of the quad loading block 4*step + t of rows
-   g and g+8 as 128-bit loads, so every weight byte is loaded by one lane, coalesced; a warp's k-steps are
-   double-buffered (the next step's weights load while one computes). The k order inside an MMA is
+   g and g+8, so every weight byte is loaded by one lane, coalesced. The loads are ``cp.async`` copies into
+   a per-warp ring of STAGES k-steps in shared memory (16-byte weight copies, the 4-byte word of the four
+   blocks' scales and, with more than one token, the step's activations of the lane's token; one token's
+   activations are staged once per CTA instead): STAGES - 1 steps are in flight while one is decoded,
+   without holding registers (register-held double buffering left too few bytes in flight at batch 1). A
+   lane reads back only what it copied itself, so the ring needs no barrier. The k order inside an MMA is
    permuted (codes j and j+4 of a word form one bf16 pair; the activations are paired the same way with
    byte permutes), which a dot product allows. Decode (moe_lib.block_mma): two shifts and a LOP3 per pair
    give e2m1 * 2**-126 as bf16 (subnormals exact), one packed bf16 multiply by 2**(s-1) makes it the
@@ -35,6 +40,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass.cute.nvgpu import cpasync
 
 from k3compile.templates.kernels.moe_lib import block_mma, group_buffers, group_pairs
 
@@ -53,6 +59,7 @@ WARPS = 8  # warps per CTA
 KSPLIT = 2  # warps sharing one task (they split its reduction); WARPS / KSPLIT tasks per CTA at a time
 CTAS = 16  # persistent CTAs (tasks are strided over their task slots)
 OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
+STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -63,6 +70,8 @@ P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
 EPL = (E + 31) // 32  # router keys per lane (selection)
+X_RING = M > 1  # activations travel in the ring with the weights; with one token it is staged once per CTA
+XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
 
 
 def _sigmoid(x):
@@ -77,11 +86,13 @@ def _situ(gate, up):
     return (act * (Float32(LINEAR_BETA) * cute.math.tanh(u / Float32(LINEAR_BETA)))).to(BFloat16)
 
 
-def _lane_max(rKey):
-    """This lane's largest key and its index as a tree of selects (depth log2 EPL rather than a chain of EPL
-    compares); on equal keys the lower index (the lower expert id) wins. Plain Python: unrolled at trace time."""
+def _lane_max(rKey, rSig):
+    """This lane's largest key, its index and its score as a tree of selects (depth log2 EPL rather than a
+    chain of EPL compares); on equal keys the lower index (the lower expert id) wins. Plain Python: unrolled
+    at trace time."""
     bk = [rKey[i] for i in range(EPL)]
     bi = [Int32(i) for i in range(EPL)]
+    bs = [rSig[i] for i in range(EPL)]
     width = EPL
     while width > 1:
         half = (width + 1) // 2
@@ -90,8 +101,9 @@ def _lane_max(rKey):
             take = (bk[r] > bk[i]) | ((bk[r] == bk[i]) & (bi[r] < bi[i]))
             bk[i] = Uint32(cutlass.select_(take, bk[r], bk[i]))
             bi[i] = Int32(cutlass.select_(take, bi[r], bi[i]))
+            bs[i] = Float32(cutlass.select_(take, bs[r], bs[i]))
         width = half
-    return bk[0], bi[0]
+    return bk[0], bi[0], bs[0]
 
 
 class Kernel:
@@ -102,79 +114,106 @@ class Kernel:
         mZq = cute.recast_tensor(mZ, Uint32)  # [M, L/2] bf16 pairs
         mW1q = cute.recast_tensor(mW1, Uint32)  # [E, I, L/8] 8 codes per word
         mW3q = cute.recast_tensor(mW3, Uint32)
-        self.kernel(mZq, mLogits, mBias, mW1q, mS1, mW3q, mS3, mH, mIds, mWts).launch(
-            grid=(CTAS, 1, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=OCC, preferred_smem_carveout=100)
+        mS1q = cute.recast_tensor(mS1, Uint32)  # [E, I, NB/4]: the scales of a k-step's 4 blocks in one word
+        mS3q = cute.recast_tensor(mS3, Uint32)
+        self.kernel(mZq, mLogits, mBias, mW1q, mS1q, mW3q, mS3q, mH, mIds, mWts).launch(
+            grid=(CTAS, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=OCC,
+            preferred_smem_carveout=100)
 
     @cute.jit
     def select(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
                sIds: cute.Tensor, lane, m, writer):
-        """One warp: top-TOPK of sigmoid(logits) + bias for token m into sIds[m*TOPK + j]."""
+        """One warp: top-TOPK of sigmoid(logits) + bias for token m into sIds[m*TOPK + j]. Lane j keeps round
+        j's winner (id and score), so at the end TOPK lanes store at once: no global memory is read back."""
         rKey = cute.make_rmem_tensor((EPL,), Uint32)
         rSig = cute.make_rmem_tensor((EPL,), Float32)  # the scores themselves (the weights), kept for the winners
+        rBias = cute.make_rmem_tensor((EPL,), Float32)
+        # every load first, then the math: the IEEE division in the sigmoid is a call that loads are not
+        # scheduled across, so interleaved they would be 2 * EPL round trips one after another
+        for i in cutlass.range_constexpr(EPL):
+            rSig[i] = Float32(0.0)
+            rBias[i] = Float32(0.0)
+            if lane + 32 * i < E:
+                rSig[i] = mLogits[m, lane + 32 * i]
+                rBias[i] = mBias[lane + 32 * i]
         for i in cutlass.range_constexpr(EPL):
             rKey[i] = Uint32(0)  # below every real key
-            rSig[i] = Float32(0.0)
             if lane + 32 * i < E:
-                rSig[i] = _sigmoid(mLogits[m, lane + 32 * i])
-                f = rSig[i] + mBias[lane + 32 * i]
+                rSig[i] = _sigmoid(rSig[i])
+                f = rSig[i] + rBias[i]
                 u = f.bitcast(Uint32)
                 flip = Uint32(f.bitcast(Int32) >> Int32(31)) | Uint32(0x80000000)
                 rKey[i] = u ^ flip  # order-preserving: larger float, larger key
         total = Float32(0.0)
+        my_id = Int32(0)
+        my_score = Float32(0.0)
         for j in cutlass.range(TOPK, unroll=1):
-            bk, bi = _lane_max(rKey)
+            bk, bi, bs = _lane_max(rKey, rSig)
             kmax = cute.arch.warp_redux_sync(bk, "umax")
             cand = Uint32(0xFFFFFFFF)
             if bk == kmax:
                 cand = Uint32(lane) + Uint32(32) * Uint32(bi)
             win = cute.arch.warp_redux_sync(cand, "umin")
-            sc = Float32(0.0)
             for i in cutlass.range_constexpr(EPL):
                 if Uint32(lane + 32 * i) == win:
                     rKey[i] = Uint32(0)
-                    sc = rSig[i]
-            score = cute.arch.shuffle_sync(sc, Int32(win % Uint32(32)))  # from the lane that held it
-            e = Int32(win)
+            score = cute.arch.shuffle_sync(bs, Int32(win % Uint32(32)))  # from the lane that held it
             total = total + score
-            if lane == 0:
-                sIds[m * TOPK + j] = e
-                if writer:
-                    mIds[m, j] = e
-                    mWts[m, j] = score
-        if lane == 0:
+            my_id = Int32(cutlass.select_(lane == j, Int32(win), my_id))
+            my_score = Float32(cutlass.select_(lane == j, score, my_score))
+        if lane < TOPK:
+            sIds[m * TOPK + lane] = my_id
             if writer:
-                for j in cutlass.range(TOPK, unroll=1):
-                    w = mWts[m, j]  # written above by this thread
-                    if cutlass.const_expr(RENORMALIZE):
-                        w = w / (total + Float32(1e-20))
-                    mWts[m, j] = w * Float32(SCALING)
+                w = my_score
+                if cutlass.const_expr(RENORMALIZE):
+                    w = w / (total + Float32(1e-20))
+                mIds[m, lane] = my_id
+                mWts[m, lane] = w * Float32(SCALING)
 
     @cute.jit
-    def load_step(self, mW1q: cute.Tensor, mS1: cute.Tensor, mW3q: cute.Tensor, mS3: cute.Tensor, e, row0, g, blk,
-                  rW: cute.Tensor, rS: cute.Tensor):
-        """This lane's MX block blk of rows g and g + 8 of W1 and W3 (four 128-bit loads) and their scales."""
+    def issue_step(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor,
+                   mZq: cute.Tensor, e, row0, g, t, tok, valid, step, sW: cute.Tensor, sS: cute.Tensor, lane):
+        """cp.async of this lane's share of k-step ``step`` into one ring stage (sW [XCH, 32, 4] words, sS [4, 32]):
+        MX block 4*step + t of rows g and g + 8 of W1 and W3 (chunks 0..3, 16 bytes each), the same 32
+        activations of this lane's token when X_RING (chunks 4..7; not copied for a column past the group), the scale
+        word holding blocks 4*step .. 4*step + 3 of each weight row (4 bytes each; the quad's lanes copy the
+        same words). A lane reads back only what it copied itself, so the ring needs no barrier."""
+        big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
+                                  num_bits_per_copy=128)
+        word = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint32, num_bits_per_copy=32)
+        blk = 4 * step + t
         for r in cutlass.range_constexpr(4):
             mW = mW1q if r < 2 else mW3q
-            mS = mS1 if r < 2 else mS3
+            mS = mS1q if r < 2 else mS3q
             row = row0 + g + 8 * (r % 2)
-            cute.autovec_copy(cute.local_tile(mW[e, row, None], (4,), (blk,)), cute.local_tile(rW, (4,), (r,)))
-            rS[r] = Uint32(mS[e, row, blk])
+            cute.copy(big, cute.local_tile(mW[e, row, None], (4,), (blk,)), sW[r, lane, None])
+            cute.copy(word, cute.local_tile(mS[e, row, None], (1,), (step,)), cute.local_tile(sS[r, None], (1,),
+                                                                                               (lane,)))
+        if cutlass.const_expr(X_RING):
+            if valid:
+                for q in cutlass.range_constexpr(4):
+                    cute.copy(big, cute.local_tile(mZq[tok, None], (4,), (4 * blk + q,)), sW[4 + q, lane, None])
 
     @cute.jit
-    def mma_step(self, mZq: cute.Tensor, tok, valid, blk, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
-                 acc: cute.Tensor):
-        """One k-step: the activations of block blk of this lane's token (zero for a column past the group),
-        then the gate and the up MMAs."""
+    def read_step(self, sW: cute.Tensor, sS: cute.Tensor, sX: cute.Tensor, lane, t, valid, blk, rW: cute.Tensor,
+                  rS: cute.Tensor, rX: cute.Tensor):
+        """This lane's weights, scale bytes and activations (block blk; zero for a column past the group) of one
+        landed ring stage, into registers (the activations from sX, the staged token, when M == 1)."""
+        for r in cutlass.range_constexpr(4):
+            cute.autovec_copy(sW[r, lane, None], cute.local_tile(rW, (4,), (r,)))
+            rS[r] = (sS[r, lane] >> Uint32(8 * t)) & Uint32(0xFF)
         if valid:
-            cute.autovec_copy(cute.local_tile(mZq[tok, None], (16,), (blk,)), rX)
+            if cutlass.const_expr(X_RING):
+                for q in cutlass.range_constexpr(4):
+                    cute.autovec_copy(sW[4 + q, lane, None], cute.local_tile(rX, (4,), (q,)))
+            else:
+                cute.autovec_copy(cute.local_tile(sX, (16,), (blk,)), rX)
         else:
             rX.fill(0)
-        block_mma(rW, 0, rS[0], rS[1], rX, acc, 0)  # gate: W1 rows g, g + 8
-        block_mma(rW, 8, rS[2], rS[3], rX, acc, 4)  # up: W3 rows g, g + 8
 
     @cute.kernel
     def kernel(self, mZq: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1q: cute.Tensor,
-               mS1: cute.Tensor, mW3q: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor,
+               mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor,
                mWts: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
@@ -183,10 +222,20 @@ class Kernel:
         smem = cutlass.utils.SmemAllocator()
         sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, P, WARPS)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2, 16, 8)), 16)
+        # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
+        sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, XCH, 32, 4),
+                                                           stride=(STAGES * XCH * 128, XCH * 128, 128, 4, 1)), 16)
+        sX = smem.allocate_tensor(Uint32, cute.make_layout((1 if X_RING else L // 2,)), 16)  # the token (M == 1)
+        sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 4, 32), stride=(STAGES * 128, 128, 32, 1)),
+                                  16)
 
         for e in cutlass.range(tid, E, THREADS, unroll=1):
             sCount[e] = Int32(0)
         cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+        if cutlass.const_expr(not X_RING):  # stage the one token's activations (visible after group_pairs' barriers)
+            for v in cutlass.range(tid, L // 8, THREADS, unroll=1):
+                cute.autovec_copy(cute.local_tile(mZq[0, None], (4,), (v,)), cute.local_tile(sX, (4,), (v,)))
 
         for m in cutlass.range(warp, M, WARPS, unroll=1):
             self.select(mLogits, mBias, mIds, mWts, sIds, lane, m, bid == 0)
@@ -199,8 +248,9 @@ class Kernel:
         ks = warp % KSPLIT  # its share of the reduction: k-steps ks, ks + KSPLIT, ...
         acc = cute.make_rmem_tensor((8,), Float32)  # gate c0..c3, up c0..c3
         rX = cute.make_rmem_tensor((16,), Uint32)
-        rW = [cute.make_rmem_tensor((16,), Uint32) for _ in range(2)]  # double buffer: W1 g, g+8, W3 g, g+8
-        rS = [cute.make_rmem_tensor((4,), Uint32) for _ in range(2)]
+        rW = cute.make_rmem_tensor((16,), Uint32)  # W1 g, W1 g+8, W3 g, W3 g+8
+        rS = cute.make_rmem_tensor((4,), Uint32)
+        n_my = (STEPS - ks + KSPLIT - 1) // KSPLIT  # this warp's k-steps: ks, ks + KSPLIT, ...
         for task in cutlass.range(bid * SLOTS + slot, n_active * RT, CTAS * SLOTS, unroll=1):
             a = task // RT
             row0 = (task % RT) * 16
@@ -211,18 +261,24 @@ class Kernel:
                 col = nt + g
                 tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
                 acc.fill(0.0)
-                # this warp's k-steps, two at a time: the next step's weights load while one computes
-                if ks < STEPS:
-                    self.load_step(mW1q, mS1, mW3q, mS3, e, row0, g, 4 * ks + t, rW[0], rS[0])
-                for s0 in cutlass.range(ks, STEPS, 2 * KSPLIT, unroll=1):
-                    s1 = s0 + KSPLIT
-                    if s1 < STEPS:
-                        self.load_step(mW1q, mS1, mW3q, mS3, e, row0, g, 4 * s1 + t, rW[1], rS[1])
-                    self.mma_step(mZq, tok, col < num, 4 * s0 + t, rW[0], rS[0], rX, acc)
-                    if s1 + KSPLIT < STEPS:
-                        self.load_step(mW1q, mS1, mW3q, mS3, e, row0, g, 4 * (s1 + KSPLIT) + t, rW[0], rS[0])
-                    if s1 < STEPS:
-                        self.mma_step(mZq, tok, col < num, 4 * s1 + t, rW[1], rS[1], rX, acc)
+                # a ring of STAGES k-steps in flight: one cp.async group per step (empty past the end)
+                for i in cutlass.range_constexpr(STAGES - 1):
+                    if i < n_my:
+                        self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks + i * KSPLIT,
+                                        sW[warp, i, None, None, None], sS[warp, i, None, None], lane)
+                    cute.arch.cp_async_commit_group()
+                for i in cutlass.range(n_my, unroll=1):
+                    nxt = i + STAGES - 1
+                    if nxt < n_my:
+                        self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks + nxt * KSPLIT,
+                                        sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None],
+                                        lane)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
+                    self.read_step(sW[warp, i % STAGES, None, None, None], sS[warp, i % STAGES, None, None], sX, lane,
+                                   t, col < num, 4 * (ks + i * KSPLIT) + t, rW, rS, rX)
+                    block_mma(rW, 0, rS[0], rS[1], rX, acc, 0)  # gate: W1 rows g, g + 8
+                    block_mma(rW, 8, rS[2], rS[3], rX, acc, 4)  # up: W3 rows g, g + 8
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                         cc = nt + 2 * t + i % 2
@@ -246,4 +302,3 @@ class Kernel:
                             pc = sPairs[start + nt + cc]
                             mH[pc // TOPK, pc % TOPK, row0 + r] = _situ(gate, up)
                     cute.arch.barrier(barrier_id=1 + slot, number_of_threads=32 * KSPLIT)
-        cute.arch.griddepcontrol_launch_dependents()

@@ -21,8 +21,9 @@ one more block reduction (its sum of squares) and the normalised store.
 
 TP > 1: step 1 first all-reduces ``a`` in-kernel (one-shot, peer loads over NVLink, no multicast). Each
 CTA copies its row of ``a`` into this rank's symmetric buffer ``comm``; thread 0 raises the row's channel-0
-epoch flag (``fence.acq_rel.sys`` + ``atom.add.release.sys``) and spins (``ld.acquire.sys``) until every
-rank's channel-0 flag has reached the same epoch; the CTA then sums the row over the ranks' buffers in rank
+epoch flag (``fence.acq_rel.sys`` + ``atom.add.release.sys``) and warp 0 spins (``ld.acquire.sys``, lane p
+on rank p's flag, all ranks' loads in flight at once) until every rank's channel-0 flag has reached the same
+epoch; the CTA then sums the row over the ranks' buffers in rank
 order (so every rank gets bit-identical sums). After those reads thread 0 raises channel 1, and before the
 kernel ends it waits for every rank's channel 1: no rank overwrites its buffer (next call) while a peer
 still reads it. Epoch counters only grow, so replays of a CUDA graph need no reset and a stale flag never
@@ -138,12 +139,20 @@ def raise_flag(mSignal: cute.Tensor, channel: int, row) -> cutlass.Int32:
 
 @cute.jit
 def wait_flags(peerSignals: list, channel: int, row, epoch: cutlass.Int32):
-    """Spin until every rank's flag (channel, row) has reached ``epoch`` (acquire, system scope)."""
-    for p in cutlass.range_constexpr(TP):
-        ptr = peerSignals[p].iterator + channel * M + row
+    """Spin until every rank's flag (channel, row) has reached ``epoch`` (acquire, system scope). Called by
+    one whole warp: lane p watches rank p, so the TP flag loads are in flight together (one round trip per
+    poll, not TP); ``epoch`` is lane 0's. The warp leaves when every lane has seen its rank's epoch."""
+    lane = cute.arch.lane_idx()
+    want = cute.arch.shuffle_sync(epoch, 0)
+    addr = (peerSignals[0].iterator + channel * M + row).toint()
+    for p in cutlass.range_constexpr(1, TP):
+        addr = cutlass.select_(lane == p, (peerSignals[p].iterator + channel * M + row).toint(), addr)
+    ptr = cute.make_ptr(cutlass.Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+    if lane < TP:
         seen = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="sys")
-        while seen - epoch < cutlass.Int32(0):
+        while seen - want < cutlass.Int32(0):
             seen = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="sys")
+    cute.arch.sync_warp()
 
 
 class Kernel:
@@ -154,7 +163,8 @@ class Kernel:
         peer_signals = [t.get(f"peer_signal{p}") for p in range(MAX_TP)]
         self.kernel(t.get("a"), t.get("prefix"), t.get("blocks"), t.get("norm_weight"), t.get("proj_weight"),
                     t.get("out_norm_weight"), t["y"], t.get("new_prefix"), t.get("comm"), t.get("signal"),
-                    *peers, *peer_signals).launch(grid=(M, 1, 1), block=(THREADS, 1, 1), stream=args[-1])
+                    *peers, *peer_signals).launch(grid=(M, 1, 1), block=(THREADS, 1, 1), stream=args[-1],
+                                           use_pdl=True)
 
     @cute.kernel
     def kernel(self, mA, mPrefix, mBlocks, mNormW, mProjW, mOutW, mY: cute.Tensor, mNewPrefix, mComm, mSignal,
@@ -180,6 +190,7 @@ class Kernel:
                 cute.autovec_copy(cute.local_tile(mOutW, (VEC,), (i,)), rIn)
                 wOut.append(rIn.load().to(Float32))
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         # The one-shot all-reduce of a (TP > 1): publish this rank's row, wait for every rank's.
         peers = [mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15][:TP]
@@ -191,8 +202,11 @@ class Kernel:
                 cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rIn)
                 cute.autovec_copy(rIn, cute.local_tile(mComm[row, None], (VEC,), (i,)))
             cute.arch.sync_threads()
-            if tid == 0:
-                wait_flags(peerSignals, 0, row, raise_flag(mSignal, 0, row))
+            if tid < 32:  # warp 0: thread 0 raises this rank's flag, the warp waits for every rank's
+                epoch0 = cutlass.Int32(0)
+                if tid == 0:
+                    epoch0 = raise_flag(mSignal, 0, row)
+                wait_flags(peerSignals, 0, row, epoch0)
             cute.arch.sync_threads()
 
         # Pass 1: new prefix (stored, kept in registers) and the per-source statistics.
@@ -274,6 +288,5 @@ class Kernel:
                 rOut.store((normed.to(Float32) * wOut[s]).to(BFloat16))
                 cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (i,)))
         if cutlass.const_expr(TP > 1):
-            if tid == 0:
+            if tid < 32:
                 wait_flags(peerSignals, 1, row, epoch1)
-        cute.arch.griddepcontrol_launch_dependents()

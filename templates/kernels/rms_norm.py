@@ -27,7 +27,7 @@ STEPS = N // (VEC * THREADS)
 class Kernel:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
-        self.kernel(mX, mW, mY).launch(grid=(M, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        self.kernel(mX, mW, mY).launch(grid=(M, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor):
@@ -39,6 +39,7 @@ class Kernel:
         rW = cute.make_rmem_tensor((VEC,), mW.element_type)
         rY = cute.make_rmem_tensor((VEC,), mY.element_type)
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         ss = Float32(0.0)
         for s in cutlass.range_constexpr(STEPS):
@@ -62,4 +63,3 @@ class Kernel:
             normed = (rX.load().to(Float32) * rstd).to(mX.element_type)  # KimiRMSNorm rounds before the weight
             rY.store((normed.to(Float32) * rW.load().to(Float32)).to(mY.element_type))
             cute.autovec_copy(rY, cute.local_tile(mY[row, None], (VEC,), (i,)))
-        cute.arch.griddepcontrol_launch_dependents()

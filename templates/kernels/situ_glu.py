@@ -26,7 +26,7 @@ CTAS = (VECS + THREADS - 1) // THREADS
 class Kernel:
     @cute.jit
     def __call__(self, mG: cute.Tensor, mU: cute.Tensor, mH: cute.Tensor, stream):
-        self.kernel(mG, mU, mH).launch(grid=(CTAS, M, 1), block=(THREADS, 1, 1), stream=stream)
+        self.kernel(mG, mU, mH).launch(grid=(CTAS, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mG: cute.Tensor, mU: cute.Tensor, mH: cute.Tensor):
@@ -36,6 +36,7 @@ class Kernel:
         rU = cute.make_rmem_tensor((VEC,), BFloat16)
         rH = cute.make_rmem_tensor((VEC,), BFloat16)
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         if v < VECS:
             cute.autovec_copy(cute.local_tile(mG[m, None], (VEC,), (v,)), rG)
             cute.autovec_copy(cute.local_tile(mU[m, None], (VEC,), (v,)), rU)
@@ -46,4 +47,3 @@ class Kernel:
             lin = Float32(LINEAR_BETA) * cute.math.tanh(u * Float32(1.0 / LINEAR_BETA), fastmath=True)
             rH.store((act * lin).to(BFloat16))
             cute.autovec_copy(rH, cute.local_tile(mH[m, None], (VEC,), (v,)))
-        cute.arch.griddepcontrol_launch_dependents()

@@ -1,6 +1,7 @@
 """The memory-ordering audit (k3compile.audit) on real compiled PTX: a kernel with an activation read
-hoisted above griddepcontrol.wait (the planted bug) is caught, the same kernel with the read after the
-wait passes, and a kernel that reads activations without any wait is caught. (That every generated
+hoisted above griddepcontrol.wait (the planted bug) is caught, so is an output store hoisted above it
+(under PDL the previous kernel may still read that buffer), the same kernel with the read after the wait
+passes, and a kernel that reads activations without any wait is caught. (That every generated
 k3-mini kernel passes is checked in test_codegen.py.)"""
 
 
@@ -26,20 +27,25 @@ class Kernel:
         w = mW[i].to(Float32)  # a static weight: may be read before the wait
 {before}
         cute.arch.griddepcontrol_wait()
-{after}
-        mY[i] = (w * x).to(mY.element_type)
         cute.arch.griddepcontrol_launch_dependents()
+{after}
+{store}
+        mY[i] = (w * x).to(mY.element_type)
 '''
 READ_X = "        x = mX[i].to(Float32)"
+STORE_Y = "        mY[i] = w.to(mY.element_type)  # an output written while the previous kernel may still run"
 ARGS = [("w", "bf16", [32], 16), ("x", "bf16", [32], 16), ("y", "bf16", [32], 16)]
 PARAMS, WEIGHTS = [["w", "x", "y"]], {"w"}
 
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory):
-    variants = {"hoisted": KERNEL.format(before=READ_X, after=""),
-                "clean": KERNEL.format(before="", after=READ_X),
-                "no_wait": KERNEL.format(before="", after=READ_X).replace("        cute.arch.griddepcontrol_wait()\n", "")}
+    variants = {"hoisted": KERNEL.format(before=READ_X, after="", store=""),
+                "clean": KERNEL.format(before="", after=READ_X, store=""),
+                "store_hoisted": KERNEL.format(before=READ_X.replace("mX[i]", "mW[i + 1]") + "\n" + STORE_Y, after="",
+                                               store=""),
+                "no_wait": KERNEL.format(before="", after=READ_X, store="").replace(
+                    "        cute.arch.griddepcontrol_wait()\n", "")}
     jobs = [build.Job(f"audit_{k}", src, ARGS, "sm_90a", False) for k, src in variants.items()]
     out = tmp_path_factory.mktemp("audit")
     build.build(jobs, out)
@@ -53,6 +59,13 @@ def test_planted_hoisted_activation_read_is_caught(ptx):
     assert "reads x before griddepcontrol.wait" in problem and "ld.global" in problem
 
 
+def test_planted_hoisted_output_store_is_caught(ptx):
+    rep = audit_ptx(ptx["store_hoisted"], PARAMS, WEIGHTS)
+    assert not rep.ok
+    (problem,) = rep.problems()
+    assert "writes y before griddepcontrol.wait" in problem and problem.split("`")[1].startswith("st.global")
+
+
 def test_clean_kernel_passes_and_its_weight_read_is_allowed(ptx):
     rep = audit_ptx(ptx["clean"], PARAMS, WEIGHTS)
     assert rep.ok, rep.problems()
@@ -61,7 +74,8 @@ def test_clean_kernel_passes_and_its_weight_read_is_allowed(ptx):
 
 def test_activation_reads_without_any_wait_are_caught(ptx):
     rep = audit_ptx(ptx["no_wait"], PARAMS, WEIGHTS)
-    assert not rep.ok and any("(no griddepcontrol.wait in the kernel)` reads x before" in p for p in rep.problems())
+    assert not rep.ok
+    assert any("(no griddepcontrol.wait in the kernel)` accesses x, y before" in p for p in rep.problems())
 
 
 def test_roles_matter(ptx):
@@ -100,3 +114,36 @@ def test_taint_follows_address_arithmetic():
     assert rep.problems() == ["k: line 14: `ld.global.nc.v4.b32 {%r2, %r3, %r4, %r5}, [%rd5+16]` reads x before "
                               "griddepcontrol.wait"]
     assert rep.entries[0].weight_accesses_before_wait == 1  # the prefetch of w
+
+
+def test_every_template_launch_asks_for_pdl():
+    """The audit above is what makes PDL safe; this is what makes it happen: every kernel launch of every
+    template passes ``use_pdl=True`` (without it the overlap is silently lost, and the wait and trigger are
+    no-ops), and every kernel lets its dependents start (``griddepcontrol_launch_dependents``) only after
+    its own wait."""
+    import ast
+    from pathlib import Path
+
+    import k3compile.templates as templates
+
+    kernels_dir = Path(templates.__file__).parent / "kernels"
+    launches = 0
+    for path in sorted(kernels_dir.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch":
+                launches += 1
+                pdl = [k for k in node.keywords if k.arg == "use_pdl"]
+                assert pdl and isinstance(pdl[0].value, ast.Constant) and pdl[0].value.value is True, \
+                    f"{path.name}:{node.lineno}: launch without use_pdl=True"
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).endswith("cute.kernel") for d in node.decorator_list):
+                calls = [ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
+                where = f"{path.name}: kernel {node.name}"
+                assert "cute.arch.griddepcontrol_wait" in calls, where
+                wait_line = min(n.lineno for n in ast.walk(node) if isinstance(n, ast.Call)
+                                and ast.unparse(n.func) == "cute.arch.griddepcontrol_wait")
+                trig = [n.lineno for n in ast.walk(node) if isinstance(n, ast.Call)
+                        and ast.unparse(n.func) == "cute.arch.griddepcontrol_launch_dependents"]
+                assert trig and min(trig) > wait_line, where
+    assert launches >= 9  # every template's kernels (mla_decode launches two)

@@ -213,3 +213,22 @@ def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
     assert plain[1] != plain[64]
     inv = mla_splits(batch_invariant=True)
     assert inv[1] == inv[64] == plain[1]
+
+
+def test_input_copies_are_counted_not_hidden(mini_model):
+    """A kernel input that is not compact (a column slice of a fused GEMV output, once the batch has more than
+    one row) is copied before the launch; each copy is counted by kernel and argument, and a batch of one
+    row needs none."""
+    with one_thread():
+        for bucket in (1, 4):
+            runtime.reset_launch_counts()
+            step = _compile(mini_model, (bucket,))
+            step(torch.arange(bucket), mini_model.new_state(bucket, 4))
+            copies = runtime.input_copies()
+            if bucket == 1:
+                assert copies == {}
+            else:
+                kernels = {k.split(":")[0].split("_")[0] for k in copies}
+                assert {"kda", "moe"} <= kernels, copies  # q/k/v/... of the KDA front, z of the MoE front
+                assert all(v > 0 for v in copies.values())
+                assert sum(runtime.launch_counts().values()) > 0 and "copy" not in str(runtime.launch_counts())
