@@ -65,6 +65,9 @@ def _arg(node, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
+_PROLOGUE_NOTE = "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel"
+
+
 def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0):
     return ("gemv", dict(bucket=bucket, n=n, k=k, n_f32=n_f32, pro=pro, eps=eps, beta=beta, linear_beta=linear_beta))
 
@@ -107,9 +110,14 @@ def _lower_lm_head(node, b, tp):
 
 
 def _lower_situ_linear(node, b, tp):
+    """The situ_glu kernel, then a plain GEMV: SiTU-GLU costs an exp and two tanh per element, and a GEMV
+    prologue would form it once per group of weight rows (N / ROWS times; the dense layer's down-projection,
+    K 4224: 54 us fused against a 14.5 us weight floor at batch 1). situ_glu has the prologue's exact ops, so
+    no bit changes. (The gemv template keeps the fused form, pro="situ", for offline use; no plan takes it.)"""
     w = _arg(node, "weight")
-    return [_gemv(b, _shape(w)[0], _shape(w)[1], pro="situ", beta=float(_arg(node, "beta")),
-                  linear_beta=float(_arg(node, "linear_beta")))], ""
+    beta, linear_beta = float(_arg(node, "beta")), float(_arg(node, "linear_beta"))
+    return [("situ_glu", dict(bucket=b, k=_shape(w)[1], beta=beta, linear_beta=linear_beta)),
+            _gemv(b, _shape(w)[0], _shape(w)[1], beta=beta, linear_beta=linear_beta)], _PROLOGUE_NOTE
 
 
 def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps, tp=1):
@@ -223,27 +231,21 @@ PROLOGUE_SPLIT_BUCKET = 8  # from this bucket a GEMV's RMSNorm prologue is its o
 
 
 def _split_prologues(specs: list, *, rms_norm: bool) -> tuple[list, bool]:
-    """Each GEMV with a SiTU-GLU prologue (always) or an RMSNorm prologue (``rms_norm``) as [prologue kernel,
-    plain GEMV]. A fused prologue forms xin for every group of weight rows a warp takes (N / ROWS times per
-    element). For RMSNorm that is a multiply per element (rstd is computed once per CTA): free at batch 1-4,
-    where the weights dominate, but at batch 64 most of the time (measured on the H200 at K3 TP8 shapes: the
-    lm_head 1.52 ms). SiTU-GLU costs an exp and two tanh per element, which dominates already at batch 1 (the
-    dense layer's down-projection, K 4224: 54 us fused against a 14.5 us weight floor). Computed once, either
-    costs one small launch. SiTU-GLU is elementwise with the prologue's exact ops, so splitting it changes no
-    bit; the rms_norm kernel sums a row's squares in another order than the prologue."""
+    """Each GEMV with an RMSNorm prologue as [rms_norm kernel, plain GEMV] when ``rms_norm``. A fused prologue
+    forms xin for every group of weight rows a warp takes (N / ROWS times per element): for RMSNorm a
+    multiply per element (rstd is computed once per CTA), free at batch 1-4 where the weights dominate, but at
+    batch 64 most of the time (measured on the H200 at K3 TP8 shapes: the lm_head 1.52 ms). Computed once it
+    costs one small launch; the rms_norm kernel sums a row's squares in another order than the prologue.
+    (SiTU-GLU prologues are never planned: see _lower_situ_linear.)"""
     out, split = [], False
     for t, params in specs:
-        pro = params.get("pro", "none") if t == "gemv" else "none"
-        if pro == "rms_norm" and rms_norm and params["k"] % 256 == 0:  # the rms_norm template's row-length rule
-            out.append(("rms_norm", dict(bucket=params["bucket"], n=params["k"], eps=params["eps"])))
-        elif pro == "situ":
-            out.append(("situ_glu", dict(bucket=params["bucket"], k=params["k"], beta=params["beta"],
-                                         linear_beta=params["linear_beta"])))
+        if t == "gemv" and params.get("pro") == "rms_norm" and rms_norm and params["k"] % 256 == 0:
+            # ^ the rms_norm template's row-length rule
+            out += [("rms_norm", dict(bucket=params["bucket"], n=params["k"], eps=params["eps"])),
+                    (t, {**params, "pro": "none"})]
+            split = True
         else:
             out.append((t, params))
-            continue
-        out.append((t, {**params, "pro": "none"}))
-        split = True
     return out, split
 
 
@@ -262,8 +264,7 @@ def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> 
     specs, note = _LOWERING[dialect.op_name(node)](node, bucket, tp)
     specs, split = _split_prologues(specs, rms_norm=not batch_invariant and bucket >= PROLOGUE_SPLIT_BUCKET)
     if split:
-        note = "; ".join(x for x in (note, "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel")
-                         if x)
+        note = "; ".join(x for x in (note, _PROLOGUE_NOTE) if x)
     if batch_invariant:
         from .templates.mla_decode import default_splits
 
