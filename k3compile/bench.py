@@ -77,7 +77,7 @@ class Row:
     floor_us: float = float("nan")
     extra_mem_mb: float = float("nan")
     note: str = ""
-    kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us"}] per step, slowest first
+    kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us", "exposed_us"}] per step
     input_copies: int = -1  # k3compile: torch copies of strided kernel inputs per step (runtime.input_copies)
 
     @property
@@ -142,9 +142,12 @@ def _time_steps(fn, steps: int) -> float:
 
 def _profile_kernels(fn, steps: int = 3) -> tuple[int, list[dict]]:
     """Kernel launches per step and the per-kernel GPU time per step (profiler, ``steps`` steps averaged):
-    [{"name", "calls", "us"}], slowest first. Copies and memsets are not kernels and are not counted. The
-    generated kernels are launched with PDL: a kernel starts while its predecessor still runs and waits for
-    it inside (griddepcontrol.wait), so its time here includes that overlap (the sum exceeds the step)."""
+    [{"name", "calls", "us", "exposed_us"}], largest exposed time first. Copies and memsets are not kernels and
+    are not counted. The generated kernels are launched with PDL: a kernel starts while its predecessor still
+    runs and waits for it inside (griddepcontrol.wait), so ``us`` (start to end) includes that overlap and the
+    sum exceeds the step. ``exposed_us`` is what the kernel adds to the timeline: its end minus the latest end
+    of the kernels that started before it (0 when it ends earlier); the exposed times sum to the busy time of
+    the step, so they say where the step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -155,13 +158,19 @@ def _profile_kernels(fn, steps: int = 3) -> tuple[int, list[dict]]:
         torch.cuda.synchronize()
     calls: dict = {}
     us: dict = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or "Memcpy" in e.name or "Memset" in e.name:
-            continue
+    exposed: dict = {}
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and "Memcpy" not in e.name and "Memset" not in e.name), key=lambda e: e.time_range.start)
+    last_end = float("-inf")
+    for e in events:
         calls[e.name] = calls.get(e.name, 0) + 1
         us[e.name] = us.get(e.name, 0.0) + e.device_time
-    per = [{"name": n, "calls": calls[n] / steps, "us": us[n] / steps} for n in calls]
-    per.sort(key=lambda k: -k["us"])
+        end = e.time_range.end
+        exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, end - max(last_end, e.time_range.start))
+        last_end = max(last_end, end)
+    per = [{"name": n, "calls": calls[n] / steps, "us": us[n] / steps, "exposed_us": exposed[n] / steps}
+           for n in calls]
+    per.sort(key=lambda k: -k["exposed_us"])
     return round(sum(calls.values()) / steps), per
 
 
@@ -446,14 +455,15 @@ def _fmt(r: Row) -> str:
 
 
 def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:
-    """The slowest kernels of one step (µs per step, calls per step), and what the rest add up to."""
-    total = sum(k["us"] for k in kernels)
-    lines = ["    (PDL: a kernel's time includes its overlap with the one before it)"]
-    lines += [f"    {k['us']:9.1f} us {100 * k['us'] / total:5.1f} %  x{k['calls']:<5g} {k['name'][:90]}"
-              for k in kernels[:top]]
+    """The kernels adding the most to one step (exposed µs per step; start-to-end µs; calls per step), and what
+    the rest add up to."""
+    total = sum(k.get("exposed_us", k["us"]) for k in kernels)
+    lines = ["      exposed     start-to-end  (exposed: end minus the latest end before it; PDL overlaps the rest)"]
+    lines += [f"    {k.get('exposed_us', k['us']):9.1f} us {100 * k.get('exposed_us', k['us']) / total:5.1f} % "
+              f"{k['us']:9.1f} us  x{k['calls']:<5g} {k['name'][:80]}" for k in kernels[:top]]
     rest = kernels[top:]
     if rest:
-        lines.append(f"    {sum(k['us'] for k in rest):9.1f} us in {len(rest)} more kernels")
+        lines.append(f"    {sum(k.get('exposed_us', k['us']) for k in rest):9.1f} us in {len(rest)} more kernels")
     return "\n".join(lines)
 
 

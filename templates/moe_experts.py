@@ -106,20 +106,24 @@ class MoeGateUp(_RoutedExperts):
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
                   ksplit: int | None = None) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
-        need(ksplit in (None, 1, 2), f"{self.name}: ksplit={ksplit!r} must be 1, 2 or None (chosen by the bucket)")
+        need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
+                                                 f"bucket)")
         need(beta > 0 and linear_beta > 0, f"{self.name}: beta={beta} and linear_beta={linear_beta} must be > 0")
         need(latent % 128 == 0, f"{self.name}: latent={latent} must be a multiple of 128 (a k-step of the MMA "
                                 f"quad covers 4 MX blocks); pad the latent size")
         need(inter % 16 == 0, f"{self.name}: inter={inter} must be a multiple of 16 (MMA tiles of 16 rows); pad "
                               f"the intermediate size")
         tasks = min(n_experts, bucket * top_k) * (inter // 16)  # (active expert, row tile) at most
-        # warps per task: split the reduction (KSPLIT 2) only while there are fewer tasks than warps to run
-        # them; a warp with a whole task pipelines its k-steps and needs no shared-memory reduction. Register
-        # budget: up to 3 CTAs per SM (<= 170 registers) with whole tasks; the split variant needs more, 2 per SM.
+        steps = latent // 128
+        # warps per task: split the reduction (KSPLIT 2 or 4) while there are fewer tasks than warps to run
+        # them (at 3 CTAs per SM), each warp keeping at least 4 k-steps; a warp with a whole task pipelines its
+        # k-steps and needs no shared-memory reduction
         wpc = GATE_UP_WARPS
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
-            ksplit = 2 if tasks * 2 <= 2 * 132 * wpc and latent >= 256 else 1
-        need(ksplit == 1 or latent >= 256, f"{self.name}: ksplit=2 needs latent >= 256 (two k-steps)")
+            ksplit = 1
+            while ksplit < 4 and tasks * 2 * ksplit <= 3 * 132 * wpc and steps >= 8 * ksplit:
+                ksplit *= 2
+        need(steps >= ksplit, f"{self.name}: ksplit={ksplit} needs latent >= {128 * ksplit} (a k-step per warp)")
         # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
         # share of the steps, at most 8); a stage is 32 lanes x (8 x 16 + 4 x 4) bytes (weights, activations,
         # scales; the activations only with more than one token). With whole tasks, 3 CTAs per SM or 2 with a
@@ -128,9 +132,9 @@ class MoeGateUp(_RoutedExperts):
         fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, padding
         fixed += latent * 2 if bucket == 1 else 16  # one token's activations are staged once per CTA
         per_stage = wpc * 32 * ((8 if bucket > 1 else 4) * 16 + 4 * 4)
-        my_steps = -(-(latent // 128) // ksplit)
+        my_steps = -(-steps // ksplit)
         options = []
-        for occ in ((3, 2) if ksplit == 1 else (2,)):
+        for occ in (3, 2):
             room = (SMEM_PER_SM // occ - 1024 - fixed) // per_stage
             stages = min(8, my_steps, room)
             if room >= min(2, my_steps):

@@ -9,17 +9,21 @@ descending (ties: lower expert id); weights = scores[ids] (/ (sum + 1e-20) if RE
 Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
 
 1. Routing (every CTA, the same result; CTA 0 alone writes ids/weights). Warp w selects tokens w, w+WARPS,
-   ...: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32), and each of TOPK rounds
-   is a lane-local max (a tree of selects carrying key, index and score) plus two ``redux.sync`` (max key,
-   then min id among the lanes holding it: lower id wins ties); the winner's score comes from its lane by
-   one shuffle (no load). Lane j keeps round j's winner; the TOPK lanes store ids and weights at the end.
+   ...: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32; the bias, a weight, is
+   loaded before the PDL wait, and the warp's next token's logits while it selects the current one) and
+   its two best (a tree of selects carrying key and index). Each of TOPK rounds is two ``redux.sync`` over
+   the lanes' best (max key, then min id among the lanes holding it: lower id wins ties); only the winning
+   lane moves on, to its second best or, on its third win, to a new tree over its keys after the one
+   taken. The keys' sigmoid uses an approximate reciprocal (about 1 ulp); lane j keeps round j's winner and
+   recomputes its score from the logit with the IEEE division, as the reference; the weights' sum runs in
+   round order by shuffles.
 2. Grouping by expert in shared memory: a histogram of the M*TOPK selected ids (shared atomics), one block
    scan over E experts gives each active expert its start in a list of (token, slot) pairs, and a scatter
    fills the list. Each distinct expert is then read and decoded once per step, however many tokens
    picked it (the order inside a group only decides an MMA column, never a sum order).
 3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), strided over the task slots of the
-   CTAs: a slot is KSPLIT warps (1, or 2 when there are fewer tasks than warps, as at batch 1; they split
-   the reduction and meet in shared memory behind a named barrier per slot). Tokens of the group are the
+   CTAs: a slot is KSPLIT warps (1; 2 or 4 while there are fewer tasks than warps, 4 at batch 1 at K3 TP8
+   shapes; they split the reduction and meet in shared memory behind a named barrier per slot). Tokens of the group are the
    MMA N dimension (8 per ``mma.sync.m16n8k16``, bf16 in, fp32 accumulate), rows the M dimension. In a
    k-step a quad (lanes 4g..4g+3) covers 4 MX blocks, lane t of the quad loading block 4*step + t of rows
    g and g+8, so every weight byte is loaded by one lane, coalesced. The loads are ``cp.async`` copies into
@@ -78,6 +82,13 @@ def _sigmoid(x):
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
 
+def _key_score(x):
+    """The router's sigmoid for the selection keys, with an approximate reciprocal (rcp.approx, about 1 ulp;
+    1 + exp(-x) >= 1): the IEEE division is a call with a slow path that ptxas runs one sigmoid after another.
+    The winners' weights are recomputed with the IEEE division (_sigmoid), as the reference computes them."""
+    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-x))
+
+
 def _situ(gate, up):
     """h = SiTU-GLU of the fp32 sums, each rounded to bf16 first (as the reference rounds gate and up)."""
     g = gate.to(BFloat16).to(Float32)
@@ -86,13 +97,13 @@ def _situ(gate, up):
     return (act * (Float32(LINEAR_BETA) * cute.math.tanh(u / Float32(LINEAR_BETA)))).to(BFloat16)
 
 
-def _lane_max(rKey, rSig):
-    """This lane's largest key, its index and its score as a tree of selects (depth log2 EPL rather than a
-    chain of EPL compares); on equal keys the lower index (the lower expert id) wins. Plain Python: unrolled
-    at trace time."""
-    bk = [rKey[i] for i in range(EPL)]
+def _lane_best(rKey, tk, ti):
+    """This lane's largest key after (tk, ti) in the selection order (key descending, index ascending) and its
+    index, as a tree of selects (depth log2 EPL rather than a chain of EPL compares); entries at or before
+    (tk, ti) count as key 0, below every real key. Plain Python: unrolled at trace time."""
+    bk = [Uint32(cutlass.select_((rKey[i] < tk) | ((rKey[i] == tk) & (Int32(i) > ti)), rKey[i], Uint32(0)))
+          for i in range(EPL)]
     bi = [Int32(i) for i in range(EPL)]
-    bs = [rSig[i] for i in range(EPL)]
     width = EPL
     while width > 1:
         half = (width + 1) // 2
@@ -101,9 +112,8 @@ def _lane_max(rKey, rSig):
             take = (bk[r] > bk[i]) | ((bk[r] == bk[i]) & (bi[r] < bi[i]))
             bk[i] = Uint32(cutlass.select_(take, bk[r], bk[i]))
             bi[i] = Int32(cutlass.select_(take, bi[r], bi[i]))
-            bs[i] = Float32(cutlass.select_(take, bs[r], bs[i]))
         width = half
-    return bk[0], bi[0], bs[0]
+    return bk[0], bi[0]
 
 
 class Kernel:
@@ -121,52 +131,58 @@ class Kernel:
             preferred_smem_carveout=100)
 
     @cute.jit
-    def select(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-               sIds: cute.Tensor, lane, m, writer):
-        """One warp: top-TOPK of sigmoid(logits) + bias for token m into sIds[m*TOPK + j]. Lane j keeps round
-        j's winner (id and score), so at the end TOPK lanes store at once: no global memory is read back."""
+    def load_logits(self, mLogits: cute.Tensor, rLog: cute.Tensor, lane, m):
+        """Token m's router logits (lane + 32 i) into rLog, when m < M."""
+        if m < M:
+            for i in cutlass.range_constexpr(EPL):
+                if lane + 32 * i < E:
+                    rLog[i] = mLogits[m, lane + 32 * i]
+
+    @cute.jit
+    def select(self, rLog: cute.Tensor, rBias: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
+               mWts: cute.Tensor, sIds: cute.Tensor, lane, m, writer):
+        """One warp: top-TOPK of sigmoid(logits) + bias for token m (its logits in rLog, lane + 32 i) into
+        sIds[m*TOPK + j]. Lane j keeps round j's winner, so at the end TOPK lanes store at once. Only keys stay
+        in registers (EPL per lane); the winners' scores are recomputed from their logits at the end."""
         rKey = cute.make_rmem_tensor((EPL,), Uint32)
-        rSig = cute.make_rmem_tensor((EPL,), Float32)  # the scores themselves (the weights), kept for the winners
-        rBias = cute.make_rmem_tensor((EPL,), Float32)
-        # every load first, then the math: the IEEE division in the sigmoid is a call that loads are not
-        # scheduled across, so interleaved they would be 2 * EPL round trips one after another
         for i in cutlass.range_constexpr(EPL):
-            rSig[i] = Float32(0.0)
-            rBias[i] = Float32(0.0)
+            rKey[i] = Uint32(0)  # past E: below every real key
             if lane + 32 * i < E:
-                rSig[i] = mLogits[m, lane + 32 * i]
-                rBias[i] = mBias[lane + 32 * i]
-        for i in cutlass.range_constexpr(EPL):
-            rKey[i] = Uint32(0)  # below every real key
-            if lane + 32 * i < E:
-                rSig[i] = _sigmoid(rSig[i])
-                f = rSig[i] + rBias[i]
+                f = _key_score(rLog[i]) + rBias[i]
                 u = f.bitcast(Uint32)
                 flip = Uint32(f.bitcast(Int32) >> Int32(31)) | Uint32(0x80000000)
                 rKey[i] = u ^ flip  # order-preserving: larger float, larger key
-        total = Float32(0.0)
+        # each lane keeps its two best keys; a round takes the warp's best (max key, then min id) and only the
+        # winning lane moves on: to its second, or, on its third win, to a fresh tree over the keys after it
+        k1, i1 = _lane_best(rKey, Uint32(0xFFFFFFFF), Int32(-1))
+        k2, i2 = _lane_best(rKey, k1, i1)
+        have2 = Int32(1)
         my_id = Int32(0)
-        my_score = Float32(0.0)
         for j in cutlass.range(TOPK, unroll=1):
-            bk, bi, bs = _lane_max(rKey, rSig)
-            kmax = cute.arch.warp_redux_sync(bk, "umax")
+            kmax = cute.arch.warp_redux_sync(k1, "umax")
             cand = Uint32(0xFFFFFFFF)
-            if bk == kmax:
-                cand = Uint32(lane) + Uint32(32) * Uint32(bi)
+            if k1 == kmax:
+                cand = Uint32(lane) + Uint32(32) * Uint32(i1)
             win = cute.arch.warp_redux_sync(cand, "umin")
-            for i in cutlass.range_constexpr(EPL):
-                if Uint32(lane + 32 * i) == win:
-                    rKey[i] = Uint32(0)
-            score = cute.arch.shuffle_sync(bs, Int32(win % Uint32(32)))  # from the lane that held it
-            total = total + score
             my_id = Int32(cutlass.select_(lane == j, Int32(win), my_id))
-            my_score = Float32(cutlass.select_(lane == j, score, my_score))
+            if Uint32(lane) == win % Uint32(32):
+                if have2 == Int32(1):
+                    k1, i1 = k2, i2
+                    have2 = Int32(0)
+                else:
+                    k1, i1 = _lane_best(rKey, k1, i1)
+        score = Float32(0.0)
         if lane < TOPK:
+            score = _sigmoid(mLogits[m, my_id])
             sIds[m * TOPK + lane] = my_id
-            if writer:
-                w = my_score
-                if cutlass.const_expr(RENORMALIZE):
-                    w = w / (total + Float32(1e-20))
+        if writer:
+            w = score
+            if cutlass.const_expr(RENORMALIZE):
+                total = Float32(0.0)
+                for j in cutlass.range_constexpr(TOPK):  # in round order, as the reference sums them
+                    total = total + cute.arch.shuffle_sync(score, j)
+                w = w / (total + Float32(1e-20))
+            if lane < TOPK:
                 mIds[m, lane] = my_id
                 mWts[m, lane] = w * Float32(SCALING)
 
@@ -231,14 +247,25 @@ class Kernel:
 
         for e in cutlass.range(tid, E, THREADS, unroll=1):
             sCount[e] = Int32(0)
+        rBias = cute.make_rmem_tensor((EPL,), Float32)  # a static weight: loaded before the PDL wait
+        for i in cutlass.range_constexpr(EPL):
+            rBias[i] = Float32(0.0)
+            if lane + 32 * i < E:
+                rBias[i] = mBias[lane + 32 * i]
         cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         if cutlass.const_expr(not X_RING):  # stage the one token's activations (visible after group_pairs' barriers)
             for v in cutlass.range(tid, L // 8, THREADS, unroll=1):
                 cute.autovec_copy(cute.local_tile(mZq[0, None], (4,), (v,)), cute.local_tile(sX, (4,), (v,)))
 
+        # each warp's next token's logits are loaded while it selects the current one
+        rLog = cute.make_rmem_tensor((EPL,), Float32)
+        self.load_logits(mLogits, rLog, lane, warp)
         for m in cutlass.range(warp, M, WARPS, unroll=1):
-            self.select(mLogits, mBias, mIds, mWts, sIds, lane, m, bid == 0)
+            rCur = cute.make_rmem_tensor((EPL,), Float32)
+            rCur.store(rLog.load())
+            self.load_logits(mLogits, rLog, lane, m + WARPS)
+            self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
         cute.arch.sync_threads()
         n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
 
