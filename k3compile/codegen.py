@@ -68,8 +68,9 @@ def _arg(node, name: str):
 _PROLOGUE_NOTE = "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel"
 
 
-def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0):
-    return ("gemv", dict(bucket=bucket, n=n, k=k, n_f32=n_f32, pro=pro, eps=eps, beta=beta, linear_beta=linear_beta))
+def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0, segments=()):
+    params = dict(bucket=bucket, n=n, k=k, n_f32=n_f32, pro=pro, eps=eps, beta=beta, linear_beta=linear_beta)
+    return ("gemv", {**params, "segments": segments} if segments else params)
 
 
 def _rows(node, tp: int, gather: bool) -> int:
@@ -84,7 +85,11 @@ def _lower_front_gemm(node, b, tp):
     n = sum(_rows(w, tp, g) for w, g in zip(ws, gather))
     note = "weights concatenated at load (fp32 entries first); " + (
         "gathered entries: this rank's rows, all-gathered after the kernel" if tp > 1 and any(gather) else "")
-    return [_gemv(b, n, k, n_f32=n_f32)], note.rstrip("; ")
+    # with more than one batch row, a column slice of a [M, n] output is strided: the kernel writes each bf16
+    # entry as its own compact [M, rows] block instead, so its consumers need no copy
+    segs = tuple(_rows(w, tp, g) for w, f, g in zip(ws, fp32, gather) if not f)
+    extra = {"segments": segs} if b > 1 and len(segs) > 1 else {}
+    return [_gemv(b, n, k, n_f32=n_f32, **extra)], note.rstrip("; ")
 
 
 def _lower_linear(node, b, tp):

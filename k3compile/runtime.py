@@ -63,8 +63,9 @@ def eager_fallbacks() -> dict[str, int]:
 
 def input_copies() -> dict[str, int]:
     """``"kernel:argument"`` -> times an input was copied before a launch because it was not the compact,
-    aligned tensor the kernel takes (a strided view such as a column slice of a fused GEMV output at batch
-    > 1): each copy is an extra torch kernel on the hot path, counted here rather than hidden."""
+    aligned tensor the kernel takes (a strided or misaligned view): each copy is an extra torch kernel on the
+    hot path, counted here rather than hidden. The fused front GEMVs write each entry as a compact block
+    (gemv SEGMENTS), so their outputs need none."""
     return dict(_COPIES)
 
 
@@ -295,10 +296,18 @@ class Binding:
         out = g(w=cat, x=a["x"])
         res: list = [None] * len(ws)
         off = {True: 0, False: 0}
+        segs = None
+        if g.point.c.get("SEGMENTS"):
+            from .templates.gemv import segment_views
+
+            segs = iter(segment_views(out["y_bf16"], g.point.c["SEGMENTS"]))
         for i in order:
-            src = out["y_f32"] if fp32[i] else out["y_bf16"]
-            y = src.narrow(1, off[fp32[i]], rows[i])
-            off[fp32[i]] += rows[i]
+            if segs is not None and not fp32[i]:  # the kernel wrote this entry as a compact [M, rows] block
+                y = next(segs)
+            else:
+                src = out["y_f32"] if fp32[i] else out["y_bf16"]
+                y = src.narrow(1, off[fp32[i]], rows[i])
+                off[fp32[i]] += rows[i]
             res[i] = _gather(y, a["group"], self.tp) if gather[i] and self.tp > 1 else y
         return res
 

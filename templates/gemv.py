@@ -20,6 +20,27 @@ SMS = 132  # H200
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
 
 
+def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
+    """y [M, sum(widths)] laid out as consecutive compact [M, w] blocks (the kernel's SEGMENTS layout), returned
+    with y's shape; with no widths, y itself."""
+    if not widths:
+        return y
+    parts, off = [], 0
+    for w in widths:
+        parts.append(y[:, off:off + w].reshape(-1))
+        off += w
+    return torch.cat(parts).view(y.shape)
+
+
+def segment_views(out: torch.Tensor, widths: tuple) -> list[torch.Tensor]:
+    """The compact [M, w] blocks of a SEGMENTS-layout output ``out`` [M, sum(widths)], in order."""
+    m, flat, views, off = out.shape[0], out.view(-1), [], 0
+    for w in widths:
+        views.append(flat[m * off:m * (off + w)].view(m, w))
+        off += w
+    return views
+
+
 class Gemv(Template):
     name = "gemv"
     kernel_file = "gemv.py"
@@ -27,7 +48,8 @@ class Gemv(Template):
     doc = "decode GEMM of a bf16 weight (warp per row, 128-bit loads), RMSNorm/SiTU prologue, fp32+bf16 outputs"
 
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
-                  beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None) -> list:
+                  beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None,
+                  segments: tuple = ()) -> list:
         need(bucket in BUCKETS, f"gemv: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
@@ -36,6 +58,10 @@ class Gemv(Template):
         need(isinstance(n_f32, int) and 0 <= n_f32 <= n,
              f"gemv: n_f32={n_f32} must be in [0, n={n}] (the first n_f32 rows of W give fp32 outputs); "
              f"order the weights so that the fp32 ones come first")
+        segments = tuple(int(w) for w in segments)
+        need(not segments or (all(w > 0 for w in segments) and sum(segments) == n - n_f32),
+             f"gemv: segments={segments} must be positive widths summing to the bf16 output's n - n_f32 = "
+             f"{n - n_f32} (the consumers' column blocks, in order); pass () for one plain [M, n - n_f32] output")
         need(pro in PROLOGUES, f"gemv: prologue pro={pro!r} is not one of {PROLOGUES}; fold other producers "
                                f"into a separate kernel")
         need(eps > 0, f"gemv: eps={eps} must be > 0 (RMSNorm epsilon; K3 uses 1e-5)")
@@ -75,7 +101,9 @@ class Gemv(Template):
                 const("WARPS", warps, "warps per CTA"),
                 const("UNROLL", unroll, "K steps unrolled in the main loop (weight loads in flight per lane)"),
                 const("GRID", grid, "CTAs (they stride over the tasks)"),
-                const("MMA", use_mma, "tensor cores (mma.sync, 16-row tiles, K split over the warps)")]
+                const("MMA", use_mma, "tensor cores (mma.sync, 16-row tiles, K split over the warps)"),
+                const("SEGMENTS", segments, "bf16 output as consecutive compact [M, w] blocks of these widths "
+                                            "(() : one [M, n - n_f32] row-major output)")]
 
     def examples(self):
         from k3compile.models.config import get_config
@@ -113,6 +141,11 @@ class Gemv(Template):
         ex["k3tp8_situ_k4224_b8"] = {"bucket": 8, "n": k3.hidden_size, "k": k3.intermediate_size // tp, **situ}
         # tensor-core path with both outputs and a last row tile past N (6284 = 392 * 16 + 12)
         ex["k3tp8_front_b32"] = {"bucket": 32, "n": 6284, "k": k3.hidden_size, "n_f32": k3.num_experts}
+        # a front GEMV whose bf16 entries are written as compact [M, w] blocks (FMA path at 2 rows, MMA at 8)
+        ex["mini_front_seg_b2"] = {"bucket": 2, "n": 16 + 512, "k": mini.hidden_size, "n_f32": 16,
+                                   "segments": (128, 128, 192, 64)}
+        ex["k3tp8_front_seg_b8"] = {"bucket": 8, "n": 6284, "k": k3.hidden_size, "n_f32": k3.num_experts,
+                                    "segments": (1536, 1536, 1536, 780)}
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex
@@ -173,7 +206,7 @@ class Gemv(Template):
             if nf:
                 d["y_f32"].copy_(F.linear(x.float(), d["w"][:nf].float()))
             if c["N"] > nf:
-                d["y_bf16"].copy_(F.linear(x, d["w"][nf:]))
+                d["y_bf16"].copy_(segmented(F.linear(x, d["w"][nf:]), c["SEGMENTS"]))
         return run
 
     def reference(self, c, inputs):
@@ -184,7 +217,7 @@ class Gemv(Template):
         if nf > 0:
             out["y_f32"] = y[:, :nf]
         if nf < c["N"]:
-            out["y_bf16"] = y[:, nf:]
+            out["y_bf16"] = segmented(y[:, nf:], c["SEGMENTS"])
         return out
 
     def tolerance(self, c):

@@ -9,6 +9,9 @@ xin is formed on the fly from tiny, L2-resident activations by the prologue PRO:
 
 Outputs: rows n < N_F32 of W go to y_f32 [M, N_F32] unrounded (router / lm_head logits), rows
 n >= N_F32 to y_bf16 [M, N - N_F32] rounded to bf16. An output with no rows is not an argument.
+With SEGMENTS (a front GEMV over concatenated weights at M > 1), y_bf16 holds consecutive compact [M, w]
+blocks, one per entry, instead of one row-major [M, N - N_F32] array: a column slice of the latter is strided
+once M > 1, and every consumer would need a copy (store_bf16 picks the block by a chain of selects).
 
 Work split. A *task* is (a group of ROWS consecutive rows of W, a chunk of MB batch rows). One warp owns
 one task at a time; the WARPS warps of a CTA take consecutive tasks and the GRID CTAs stride over all
@@ -53,6 +56,7 @@ WARPS = 8  # warps per CTA
 UNROLL = 4  # K steps unrolled in the main loop (weight loads in flight per lane)
 GRID = 32  # CTAs (they stride over the tasks)
 MMA = False  # tensor cores (mma.sync, 16-row tiles, K split over the warps)
+SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
 # <<< constants
 
 VEC = 8  # bf16 per 128-bit load
@@ -113,6 +117,22 @@ class Kernel:
         else:
             self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
                                                         use_pdl=True, min_blocks_per_mp=1)
+
+    @cute.jit
+    def store_bf16(self, mYb: cute.Tensor, m, nb, total):
+        """y_bf16 for batch row m, bf16 output column nb: at [m, nb], or with SEGMENTS in the compact [M, w]
+        block of the segment holding nb (the blocks lie back to back), so each consumer of a segment gets a
+        compact tensor rather than a strided column slice."""
+        if cutlass.const_expr(len(SEGMENTS) == 0):
+            mYb[m, nb] = total.to(BFloat16)
+        else:
+            flat = cute.make_tensor(mYb.iterator, cute.make_layout(M * (N - N_F32)))
+            idx = m * SEGMENTS[0] + nb
+            off = 0
+            for i in cutlass.range_constexpr(1, len(SEGMENTS)):  # unrolled at trace time
+                off += SEGMENTS[i - 1]
+                idx = cutlass.select_(nb >= off, M * off + m * SEGMENTS[i] + (nb - off), idx)
+            flat[idx] = total.to(BFloat16)
 
     @cute.jit
     def k_step(self, kv, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc):
@@ -216,12 +236,12 @@ class Kernel:
                         if cutlass.const_expr(not HAS_BF16):
                             mYf[m0 + b, n] = total
                         elif cutlass.const_expr(not HAS_F32):
-                            mYb[m0 + b, n] = total.to(BFloat16)
+                            self.store_bf16(mYb, m0 + b, n, total)
                         else:
                             if n < N_F32:
                                 mYf[m0 + b, n] = total
                             else:
-                                mYb[m0 + b, n - N_F32] = total.to(BFloat16)
+                                self.store_bf16(mYb, m0 + b, n - N_F32, total)
 
     @cute.kernel
     def kernel_mma(self, mWq: cute.Tensor, mXq: cute.Tensor, mYf, mYb):
@@ -277,9 +297,9 @@ class Kernel:
                 if cutlass.const_expr(not HAS_BF16):
                     mYf[m, n] = total
                 elif cutlass.const_expr(not HAS_F32):
-                    mYb[m, n] = total.to(BFloat16)
+                    self.store_bf16(mYb, m, n, total)
                 else:
                     if n < N_F32:
                         mYf[m, n] = total
                     else:
-                        mYb[m, n - N_F32] = total.to(BFloat16)
+                        self.store_bf16(mYb, m, n - N_F32, total)
