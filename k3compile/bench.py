@@ -457,13 +457,13 @@ def _fmt(r: Row) -> str:
 def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:
     """The kernels adding the most to one step (exposed µs per step; start-to-end µs; calls per step), and what
     the rest add up to."""
-    total = sum(k.get("exposed_us", k["us"]) for k in kernels)
+    total = sum(k["exposed_us"] for k in kernels)
     lines = ["      exposed     start-to-end  (exposed: end minus the latest end before it; PDL overlaps the rest)"]
-    lines += [f"    {k.get('exposed_us', k['us']):9.1f} us {100 * k.get('exposed_us', k['us']) / total:5.1f} % "
-              f"{k['us']:9.1f} us  x{k['calls']:<5g} {k['name'][:80]}" for k in kernels[:top]]
+    lines += [f"    {k['exposed_us']:9.1f} us {100 * k['exposed_us'] / total:5.1f} % {k['us']:9.1f} us  "
+              f"x{k['calls']:<5g} {k['name'][:80]}" for k in kernels[:top]]
     rest = kernels[top:]
     if rest:
-        lines.append(f"    {sum(k.get('exposed_us', k['us']) for k in rest):9.1f} us in {len(rest)} more kernels")
+        lines.append(f"    {sum(k['exposed_us'] for k in rest):9.1f} us in {len(rest)} more kernels")
     return "\n".join(lines)
 
 

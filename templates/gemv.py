@@ -20,18 +20,6 @@ SMS = 132  # H200
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
 
 
-def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
-    """y [M, sum(widths)] laid out as consecutive compact [M, w] blocks (the kernel's SEGMENTS layout), returned
-    with y's shape; with no widths, y itself."""
-    if not widths:
-        return y
-    parts, off = [], 0
-    for w in widths:
-        parts.append(y[:, off:off + w].reshape(-1))
-        off += w
-    return torch.cat(parts).view(y.shape)
-
-
 def segment_views(out: torch.Tensor, widths: tuple) -> list[torch.Tensor]:
     """The compact [M, w] blocks of a SEGMENTS-layout output ``out`` [M, sum(widths)], in order."""
     m, flat, views, off = out.shape[0], out.view(-1), [], 0
@@ -39,6 +27,17 @@ def segment_views(out: torch.Tensor, widths: tuple) -> list[torch.Tensor]:
         views.append(flat[m * off:m * (off + w)].view(m, w))
         off += w
     return views
+
+
+def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
+    """y [M, sum(widths)] laid out as consecutive compact [M, w] blocks (the kernel's SEGMENTS layout), returned
+    with y's shape; with no widths, y itself."""
+    if not widths:
+        return y
+    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    for view, block in zip(segment_views(out, widths), y.split(list(widths), dim=1)):
+        view.copy_(block)
+    return out
 
 
 class Gemv(Template):
