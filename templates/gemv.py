@@ -40,6 +40,28 @@ def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
     return out
 
 
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory one CTA of the tensor-core path may take (H200: 227 KiB)
+
+
+def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(warps, row tiles per CTA, ring stages, grid) of the tensor-core path at batch m, W [n, k].
+
+    About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
+    accumulators stay <= 128 registers). The warps split each K stage into 32-element slices (8 warps for m <= 16,
+    else 4: the cross-warp reduction buffer grows with m); the ring takes what the shared-memory budget leaves
+    after that buffer (halved when the grid needs two CTAs per SM), at most 8 stages and no more than K has."""
+    nt = m // 8
+    rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
+    grid = math.ceil(n / (16 * rt))
+    warps = 8 if m <= 16 else 4
+    kst = math.ceil(k / (32 * warps))
+    budget = SMEM_BUDGET // min(2, math.ceil(grid / SMS))
+    red = warps * m * 16 * rt * 4  # fp32 partial sums of every warp
+    stage = warps * (16 * rt + m) * 64  # per warp: a 32-element slice of every W row and activation row
+    stages = max(2, min(8, kst, (budget - red) // stage))
+    return warps, rt, stages, grid
+
+
 class Gemv(Template):
     name = "gemv"
     kernel_file = "gemv.py"
@@ -82,12 +104,13 @@ class Gemv(Template):
         # Tensor cores from batch 8 (plain GEMV: the prologues run as their own kernels there, see
         # codegen._split_prologues): the FMA count grows with M while the bytes do not. mma=False keeps the
         # FMA path (codegen --batch-invariant: bucket 1's reduction order at every bucket).
-        auto = m >= MMA_MIN_BUCKET and pro == "none" and k % 128 == 0
+        auto = m >= MMA_MIN_BUCKET and m % 8 == 0 and pro == "none" and k % 128 == 0
         need(mma is not True or auto, f"gemv: mma=True needs bucket >= {MMA_MIN_BUCKET}, pro='none' and k % 128 == 0 "
                                       f"(got bucket {m}, pro={pro!r}, k={k})")
         use_mma = auto if mma is None else bool(mma)
+        rt, stages = 1, 1
         if use_mma:
-            grid = math.ceil(n / 16)  # one CTA per 16-row tile; its warps split K
+            warps, rt, stages, grid = mma_split(m, n, k)
         return [const("M", m, "batch rows (the bucket)"), const("N", n, "rows of W (outputs per batch row)"),
                 const("K", k, "reduction length (a multiple of 8)"),
                 const("N_F32", n_f32, "the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output"),
@@ -100,7 +123,10 @@ class Gemv(Template):
                 const("WARPS", warps, "warps per CTA"),
                 const("UNROLL", unroll, "K steps unrolled in the main loop (weight loads in flight per lane)"),
                 const("GRID", grid, "CTAs (they stride over the tasks)"),
-                const("MMA", use_mma, "tensor cores (mma.sync, 16-row tiles, K split over the warps)"),
+                const("MMA", use_mma, "tensor cores (mma.sync; CTA = RT 16-row tiles, K split over the warps, "
+                                      "cp.async ring of STAGES)"),
+                const("RT", rt, "tensor-core path: 16-row tiles of W per CTA"),
+                const("STAGES", stages, "tensor-core path: K stages (32 x WARPS elements each) in flight"),
                 const("SEGMENTS", segments, "bf16 output as consecutive compact [M, w] blocks of these widths "
                                             "(() : one [M, n - n_f32] row-major output)")]
 

@@ -37,6 +37,7 @@ import operator
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Uint32
+from cutlass.cute.nvgpu import cpasync
 
 from k3compile.templates.kernels.mxfp4_lib import mma_bf16_16816
 
@@ -55,7 +56,9 @@ MB = 2  # batch rows per warp task (batch chunk)
 WARPS = 8  # warps per CTA
 UNROLL = 4  # K steps unrolled in the main loop (weight loads in flight per lane)
 GRID = 32  # CTAs (they stride over the tasks)
-MMA = False  # tensor cores (mma.sync, 16-row tiles, K split over the warps)
+MMA = False  # tensor cores (mma.sync; CTA = RT 16-row tiles, K split over the warps, cp.async ring of STAGES)
+RT = 1  # tensor-core path: 16-row tiles of W per CTA
+STAGES = 1  # tensor-core path: K stages (32 x WARPS elements each) in flight
 SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
 # <<< constants
 
@@ -68,8 +71,11 @@ TASKS = (N // ROWS) * MCHUNKS
 HAS_F32 = N_F32 > 0
 HAS_BF16 = N_F32 < N
 TWO_ACTS = PRO != "none"  # rms_norm: (x, norm_weight); situ: (gate, up)
-KC = K // 128  # tensor-core path: K steps of 128 (a quad of lanes covers 4 chunks of 32)
-NT = (M + 7) // 8  # tensor-core path: MMA column tiles of 8 batch rows
+R = 16 * RT  # tensor-core path: rows of W per CTA
+NT = M // 8  # tensor-core path: MMA column tiles of 8 batch rows (M is a multiple of 8 there)
+KB = 32 * WARPS  # tensor-core path: K elements per ring stage (a 32-element slice per warp)
+KST = (K + KB - 1) // KB  # tensor-core path: ring stages over K (the last may be partial: K % 128 == 0)
+CPR = KB // VEC  # tensor-core path: 16-byte chunks of one row in a stage
 
 
 class Kernel:
@@ -243,57 +249,105 @@ class Kernel:
                             else:
                                 self.store_bf16(mYb, m0 + b, n - N_F32, total)
 
+    @cute.jit
+    def issue_stage(self, mWq: cute.Tensor, mXq: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, slot, kst, row0,
+                    tid, weights: cutlass.Constexpr, acts: cutlass.Constexpr):
+        """cp.async of K stage kst (elements KB * kst ..) into ring slot ``slot``: the CTA's R weight rows (rows
+        past N repeat row N-1) and/or the M activation rows. A row's stage is CPR 16-byte chunks; thread tid
+        copies chunk j = tid % CPR of rows tid // CPR + 8 i (THREADS = 8 CPR, so R / 8 and M / 8 rows each);
+        chunk j lands in the 32-element slice j // 4 (warp j // 4 reads it), quarter j % 4. A partial last
+        stage copies only the chunks before K."""
+        big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
+                                  num_bits_per_copy=128)
+        j = tid % CPR
+        kc = kst * CPR + j  # this thread's 8-element chunk along K
+        if kc < K // VEC:
+            if cutlass.const_expr(weights):
+                for i in cutlass.range_constexpr(R // 8):
+                    row = tid // CPR + 8 * i
+                    cute.copy(big, cute.local_tile(mWq[cutlass.min(row0 + row, N - 1), None], (4,), (kc,)),
+                              cute.local_tile(sW[slot, j // 4, row, None], (4,), (j % 4,)))
+            if cutlass.const_expr(acts):
+                for i in cutlass.range_constexpr(M // 8):
+                    row = tid // CPR + 8 * i
+                    cute.copy(big, cute.local_tile(mXq[row, None], (4,), (kc,)),
+                              cute.local_tile(sX[slot, j // 4, row, None], (4,), (j % 4,)))
+
     @cute.kernel
     def kernel_mma(self, mWq: cute.Tensor, mXq: cute.Tensor, mYf, mYb):
-        """Tensor-core path (MMA): CTA = 16 rows of W (the MMA's M), batch rows in NT column tiles of 8 (its N),
-        the WARPS warps split K and meet in shared memory. In a K step a quad (lanes 4g..4g+3) covers 128
-        elements, lane t loading 32 consecutive bf16 of rows g and g+8 (four 128-bit loads each) and the same
-        32 of its batch row: an MMA takes 4 of them per lane, a permutation of K that a dot product allows,
-        so the fragments come straight from the loads."""
+        """Tensor-core path (MMA): a CTA owns R = 16 RT rows of W (RT MMA row tiles, the MMA's M) for all M batch
+        rows (NT column tiles of 8, the MMA's N). K goes in stages of KB = 32 WARPS elements through a
+        STAGES-deep cp.async ring in shared memory (weights and activations; every thread copies its share,
+        one barrier per stage); warp w takes the stage's 32-element slice w, so each weight and activation
+        element is read from shared memory once. In a slice, lane (g, t) reads elements 8t .. 8t+7 of rows g
+        and g + 8 of each row tile and of batch row g of each column tile (one 128-bit load each; rows 64
+        bytes apart, no bank conflicts); MMA i of the slice takes elements 8t + 4i .. 8t + 4i + 3 as its
+        logical k (2t, 2t+1, 2t+8, 2t+9), a permutation of K that a dot product allows. The warps' partial
+        sums meet in shared memory; the output rows are written contiguously along N."""
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         tid = cute.arch.thread_idx()[0]
-        row0 = cute.arch.block_idx()[0] * 16
+        row0 = cute.arch.block_idx()[0] * R
         g = lane // 4
         t = lane % 4
-        rg = cutlass.min(row0 + g, N - 1)  # the last tile may pass N: its loads repeat row N-1, its writes stop
-        rh = cutlass.min(row0 + g + 8, N - 1)
         smem = cutlass.utils.SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16, NT * 8)), 16)
-        rW = cute.make_rmem_tensor((32,), Uint32)  # rows g, g + 8: 16 bf16 pairs each
-        rX = cute.make_rmem_tensor((16,), Uint32)
-        acc = cute.make_rmem_tensor((4 * NT,), Float32)
+        # row-major: [slot, slice, row, 16 words]; a row's 32 elements of a slice are 64 contiguous bytes
+        sW = smem.allocate_tensor(Uint32, cute.make_layout((STAGES, WARPS, R, 16),
+                                                           stride=(WARPS * R * 16, R * 16, 16, 1)), 16)
+        sX = smem.allocate_tensor(Uint32, cute.make_layout((STAGES, WARPS, M, 16),
+                                                           stride=(WARPS * M * 16, M * 16, 16, 1)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, M, R), stride=(M * R, R, 1)), 16)
+        rA = cute.make_rmem_tensor((8 * RT,), Uint32)  # per row tile: rows g, g + 8 (4 words each)
+        rB = cute.make_rmem_tensor((4,), Uint32)
+        acc = cute.make_rmem_tensor((4 * RT * NT,), Float32)
         acc.fill(0.0)
-        cute.arch.griddepcontrol_wait()
+        # Weights are static: their first stages may stream in while the previous kernel still runs.
+        for s in cutlass.range_constexpr(STAGES - 1):
+            if s < KST:
+                self.issue_stage(mWq, mXq, sW, sX, s, s, row0, tid, True, False)
+        cute.arch.griddepcontrol_wait()  # the activations come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
-        for s in cutlass.range(warp, KC, WARPS, unroll=1):
-            kb = 4 * s + t  # this lane's chunk of 32 elements
-            cute.autovec_copy(cute.local_tile(mWq[rg, None], (16,), (kb,)), cute.local_tile(rW, (16,), (0,)))
-            cute.autovec_copy(cute.local_tile(mWq[rh, None], (16,), (kb,)), cute.local_tile(rW, (16,), (1,)))
+        for s in cutlass.range_constexpr(STAGES - 1):  # group s: stage s complete (with the weights above)
+            if s < KST:
+                self.issue_stage(mWq, mXq, sW, sX, s, s, row0, tid, False, True)
+            cute.arch.cp_async_commit_group()
+        for s in cutlass.range(KST, unroll=1):
+            cute.arch.cp_async_wait_group(STAGES - 2)  # stage s has landed (this thread's copies) ...
+            cute.arch.sync_threads()  # ... and every thread's; the slot of stage s - 1 is free again
+            nxt = s + STAGES - 1
+            if nxt < KST:
+                self.issue_stage(mWq, mXq, sW, sX, nxt % STAGES, nxt, row0, tid, True, True)
+            cute.arch.cp_async_commit_group()
+            slot = s % STAGES
+            if s * KB + 32 * warp < K:  # a partial last stage leaves the last warps without a slice
+                for rt in cutlass.range_constexpr(RT):
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(cute.local_tile(sW[slot, warp, rt * 16 + g + 8 * h, None], (4,), (t,)),
+                                          cute.local_tile(rA, (4,), (2 * rt + h,)))
+                for nt in cutlass.range_constexpr(NT):
+                    cute.autovec_copy(cute.local_tile(sX[slot, warp, nt * 8 + g, None], (4,), (t,)), rB)
+                    for rt in cutlass.range_constexpr(RT):
+                        a = 4 * (rt * NT + nt)
+                        for i in cutlass.range_constexpr(2):
+                            c = mma_bf16_16816((rA[8 * rt + 2 * i], rA[8 * rt + 4 + 2 * i], rA[8 * rt + 2 * i + 1],
+                                                rA[8 * rt + 4 + 2 * i + 1]), (rB[2 * i], rB[2 * i + 1]),
+                                               (acc[a], acc[a + 1], acc[a + 2], acc[a + 3]))
+                            for j in cutlass.range_constexpr(4):
+                                acc[a + j] = c[j]
+        # C fragment of tile (rt, nt): rows rt*16 + g (+ 8 for j >= 2), batch rows nt*8 + 2t (+ 1 for odd j)
+        for rt in cutlass.range_constexpr(RT):
             for nt in cutlass.range_constexpr(NT):
-                tok = nt * 8 + g
-                if tok < M:
-                    cute.autovec_copy(cute.local_tile(mXq[tok, None], (16,), (kb,)), rX)
-                else:
-                    rX.fill(0)
-                for i in cutlass.range_constexpr(8):
-                    c = mma_bf16_16816((rW[2 * i], rW[16 + 2 * i], rW[2 * i + 1], rW[16 + 2 * i + 1]),
-                                       (rX[2 * i], rX[2 * i + 1]),
-                                       (acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]))
-                    for j in cutlass.range_constexpr(4):
-                        acc[4 * nt + j] = c[j]
-        for nt in cutlass.range_constexpr(NT):  # C fragment: rows g, g + 8; batch rows 2t, 2t + 1 of the tile
-            for j in cutlass.range_constexpr(4):
-                sRed[warp, g + 8 * (j // 2), nt * 8 + 2 * t + j % 2] = acc[4 * nt + j]
+                for j in cutlass.range_constexpr(4):
+                    sRed[warp, nt * 8 + 2 * t + j % 2, rt * 16 + g + 8 * (j // 2)] = acc[4 * (rt * NT + nt) + j]
         cute.arch.sync_threads()
-        for idx in cutlass.range(tid, 16 * M, THREADS, unroll=1):
-            r = idx // M
-            m = idx % M
+        for idx in cutlass.range(tid, M * R, THREADS, unroll=1):  # consecutive threads: consecutive rows n
+            m = idx // R
+            r = idx % R
             n = row0 + r
             if n < N:
                 total = Float32(0.0)
                 for w in cutlass.range_constexpr(WARPS):
-                    total = total + sRed[w, r, m]
+                    total = total + sRed[w, m, r]
                 if cutlass.const_expr(not HAS_BF16):
                     mYf[m, n] = total
                 elif cutlass.const_expr(not HAS_F32):

@@ -13,7 +13,7 @@ import torch
 from k3compile import build
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import segmented
+from templates.gemv import SMEM_BUDGET, SMS, segmented
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -27,8 +27,11 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
     for label, params in EXAMPLES.items():
         c = _point(label).c
         assert c["MMA"] == (c["M"] >= 8 and c["PRO"] == "none" and c["K"] % 128 == 0), label
-        if c["MMA"]:
-            assert c["GRID"] == -(-c["N"] // 16), label
+        if c["MMA"]:  # about one CTA per SM, every CTA inside the shared-memory budget
+            assert c["GRID"] == -(-c["N"] // (16 * c["RT"])), label
+            assert c["GRID"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap forces more
+            smem = c["WARPS"] * (c["M"] * 16 * c["RT"] * 4 + c["STAGES"] * (16 * c["RT"] + c["M"]) * 64)
+            assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= 8, label
     assert not T.point(**{**EXAMPLES["k3tp8_b64"], "mma": False}).c["MMA"]  # codegen --batch-invariant
     with pytest.raises(TemplateError, match="mma=True needs"):
         T.point(**{**EXAMPLES["k3tp8_b1"], "mma": True})
@@ -53,12 +56,19 @@ def test_examples_compile_for_sm90a_without_spills(tmp_path):
         assert rep["stack_bytes"] == 0, (label, rep)
         ptx = (tmp_path / p.name / "kernel.ptx").read_text()
         assert ".target sm_90a" in ptx, label
-        assert "ld.global.v4" in ptx, f"{label}: weight loads are not 128-bit"
         assert "ld.local" not in ptx and "st.local" not in ptx, label
         wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 <= wait < launch, f"{label}: griddepcontrol.wait must come before launch_dependents"
         # no activation is read before the wait: the only global loads before it are none at all
         assert "ld.global" not in ptx[:wait], f"{label}: a global load precedes griddepcontrol.wait"
+        if p.c["MMA"]:  # weights and activations through the 16-byte cp.async ring; the weights' first stages
+            # are issued before the wait (weights are static), the activations' only after it
+            n_before = ptx[:wait].count("cp.async.cg.shared.global")
+            assert n_before == (p.c["STAGES"] - 1) * 2 * p.c["RT"], (label, n_before)  # R / 8 weight rows each
+            assert "ld.shared.v4" in ptx, label
+            assert "cp.async.wait_group" in ptx[launch:] and "mma.sync.aligned.m16n8k16" in ptx, label
+        else:
+            assert "ld.global.v4" in ptx, f"{label}: weight loads are not 128-bit"
 
 
 def test_render_is_deterministic_and_reads_like_a_kernel():
@@ -131,29 +141,33 @@ def _simulate(c, inputs):
 
 
 def _simulate_mma(c, inputs):
-    """The tensor-core path's split: CTA = 16 rows (the last tile clamps its loads to row N-1 and writes
-    only rows < N); warp w takes K steps w, w+WARPS, ...; in a step lane (g, t) owns the 32-element chunk
-    4*step + t, and MMA i takes elements 4i..4i+3 of every lane's chunk as its K = 16 (logical k 2t, 2t+1
-    <- elements 4i, 4i+1; 2t+8, 2t+9 <- 4i+2, 4i+3), rows g / g+8, batch row g of each column tile."""
+    """The tensor-core path's split: CTA = R = 16*RT rows (the last CTA clamps its loads to row N-1 and writes
+    only rows < N); K goes in stages of KB = 32*WARPS elements, warp w taking the 32-element slice w of each
+    stage (none past K); in a slice lane (g, t) holds elements 8t..8t+7 and MMA i takes elements 8t+4i..8t+4i+3
+    of every lane (logical k 2t, 2t+1 <- 8t+4i, +1; 2t+8, 2t+9 <- 8t+4i+2, +3), rows g / g+8 of each row tile,
+    batch row g of each column tile; the warps' partial sums are added in warp order."""
     M, N, K, NF, W = c["M"], c["N"], c["K"], c["N_F32"], c["WARPS"]
-    kc = K // 128
+    R, kb = 16 * c["RT"], 32 * W
     xin = T.xin(c, inputs).float()
     w = inputs["w"].float()
     y = torch.full((M, N), float("nan"))
     writes = torch.zeros(M, N, dtype=torch.int64)
     covered = torch.zeros(K, dtype=torch.int64)
-    for tile in range(c["GRID"]):
-        rows = torch.clamp(torch.arange(tile * 16, tile * 16 + 16), max=N - 1)
-        acc = torch.zeros(W, 16, M)
-        for warp in range(W):
-            for step in range(warp, kc, W):
-                for i in range(8):  # one MMA: K = 16 = 4 lanes x (2 + 2) elements
-                    ks = torch.tensor([32 * (4 * step + t) + 4 * i + e for t in range(4) for e in range(4)])
+    for cta in range(c["GRID"]):
+        rows = torch.clamp(torch.arange(cta * R, cta * R + R), max=N - 1)
+        acc = torch.zeros(W, R, M)
+        for stage in range(-(-K // kb)):
+            for warp in range(W):
+                k0 = stage * kb + 32 * warp
+                if k0 >= K:
+                    continue
+                for i in range(2):  # one MMA: K = 16 = 4 lanes x (2 + 2) elements
+                    ks = torch.tensor([k0 + 8 * t + 4 * i + e for t in range(4) for e in range(4)])
                     acc[warp] += w[rows][:, ks] @ xin[:, ks].T
-                    if tile == 0:
+                    if cta == 0:
                         covered[ks] += 1
-        for r in range(16):
-            n = tile * 16 + r
+        for r in range(R):
+            n = cta * R + r
             if n < N:
                 y[:, n] = acc[:, r, :].sum(0)
                 writes[:, n] += 1
@@ -169,7 +183,8 @@ def test_work_split_covers_every_output_once(label):
     if "y_bf16" in out:  # the kernel's output layout (compact blocks per entry with SEGMENTS)
         out["y_bf16"] = segmented(out["y_bf16"], c["SEGMENTS"])
     env = module_constants(_point(label).render())
-    assert env["KC"] == c["K"] // 128 and env["NT"] * 8 >= c["M"]  # the kernel file's split is the simulated one
+    if c["MMA"]:  # the kernel file's split is the simulated one
+        assert env["KB"] == 32 * c["WARPS"] and env["R"] == 16 * c["RT"] and env["NT"] * 8 == c["M"]
     assert bool((writes == 1).all()), f"{label}: outputs written {writes.min()}..{writes.max()} times"
     ref = T.reference(c, inputs)
     assert set(ref) == {a.name for a in T.args(c) if a.role == "out"}
