@@ -8,9 +8,10 @@ host sync (``check_decode_inputs`` in models/model.py), which a CUDA graph canno
 run the real check, the capture a sync-free one (``_unchecked_inputs``), as k3compile's rows run with
 ``check_inputs=False``. A row that cannot run carries the failure (and the line that raised it) as its note.
 
-For every (context, bucket) the same model, state and tokens run through each system; each figure is the
-mean over ``--steps`` consecutive decode steps (the state advances, as in serving) between CUDA events,
-after warm-up. Beside it: the HBM floor of the step (bytes the plan says must move -- weights, the
+For every (context, bucket) the same model, state and tokens run through each system; each figure comes
+from ``--steps`` consecutive decode steps (the state advances, as in serving) after warm-up, timed between
+CUDA events in ROUNDS rounds: the median round's mean (one slow round -- a clock ramp, another process --
+would otherwise move a per-layer difference T(n) - T(n-1) by 100 us). Beside it: the HBM floor of the step (bytes the plan says must move -- weights, the
 experts the batch selects, the state read and written -- over the copy bandwidth measured in the same
 run), kernel launches per step (counted by the profiler), and GPU memory beyond weights and state.
 
@@ -127,17 +128,25 @@ def _floor_us(lowered, model, state, ids, tp: int, bucket: int, context: int, ba
     return sum(lp.bytes(bucket) for lp in plan.layers) / bandwidth * 1e6
 
 
+ROUNDS = 5  # timing rounds per figure (the median round counts)
+
+
 def _time_steps(fn, steps: int) -> float:
+    """µs per step: ``steps`` steps after 3 warm-up steps, in ROUNDS rounds of about steps / ROUNDS; the
+    median round's mean."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(steps):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / steps
+    per_round = [steps // ROUNDS + (i < steps % ROUNDS) for i in range(min(ROUNDS, steps))]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(per_round) + 1)]
+    events[0].record()
+    for n, ev in zip(per_round, events[1:]):
+        for _ in range(n):
+            fn()
+        ev.record()
+    events[-1].synchronize()
+    means = sorted(a.elapsed_time(b) * 1e3 / n for n, a, b in zip(per_round, events, events[1:]))
+    return means[len(means) // 2]
 
 
 def _profile_kernels(fn, steps: int = 3) -> tuple[int, list[dict]]:

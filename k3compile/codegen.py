@@ -33,6 +33,7 @@ from .audit import audit_point
 from .graph_text import node_value
 from .templates import get as get_template
 from .templates.base import Point, TemplateError
+from .templates.moe_experts import ROUTE_MIN_BUCKET
 
 MANIFEST_VERSION = 1
 
@@ -204,6 +205,8 @@ def _lower_routed_experts(node, b, tp):
     params = dict(bucket=b, n_experts=e, top_k=int(_arg(node, "top_k")), latent=2 * half_l, inter=inter,
                   renormalize=bool(_arg(node, "renormalize")), scaling_factor=float(_arg(node, "scaling_factor")),
                   beta=float(_arg(node, "beta")), linear_beta=float(_arg(node, "linear_beta")))
+    if b >= ROUTE_MIN_BUCKET:  # select once rather than in every gate/up CTA (M / WARPS selections per warp)
+        return [("moe_route", params), ("moe_gate_up", params), ("moe_down_combine", params)], ""
     return [("moe_gate_up", params), ("moe_down_combine", params)], ""
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .templates.moe_experts import ROUTE_MIN_BUCKET
+
 GEMV_MAX_BUCKET = 2
 SPLITK_MAX_BUCKET = 16
 MXFP4_GEMV_MAX_BUCKET = 2
@@ -58,7 +60,8 @@ def choose(op: str, bucket: int, k_dim: int = 0, has_up: bool = False) -> Kernel
     if op in ("latent_moe_experts", "routed_experts"):
         fam = "mxfp4_gemv" if bucket <= MXFP4_GEMV_MAX_BUCKET else "mxfp4_mma"
         params = {"decode": "prmt_lut"} if fam == "mxfp4_gemv" else {"mma": "m16n8k16", "n": min(64, bucket)}
-        return KernelChoice(fam, (f"{op}_gate_up", f"{op}_down_combine"), params)
+        route = (f"{op}_route",) if op == "routed_experts" and bucket >= ROUTE_MIN_BUCKET else ()
+        return KernelChoice(fam, (*route, f"{op}_gate_up", f"{op}_down_combine"), params)
     if op in ("kda_decode", "kda_decode_fb"):
         return KernelChoice("kda_decode", (op,), {"heads_per_cta": 1})
     if op in ("mla_decode", "mla_decode_latent"):

@@ -381,10 +381,18 @@ class Binding:
                                                           a["group"]))["new_prefix"]
 
     # -- experts and attention ---------------------------------------------------------------------
-    def _routed_experts(self, a, gate_up, down):
+    def _routed_experts(self, a, *ks):
+        """gate/up selects the experts itself (two kernels), or from ROUTE_MIN_BUCKET moe_route selects once and
+        gate/up reads its ids (three)."""
+        *route, gate_up, down = ks
         w = {n: a[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale")}
-        h = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
-        return down(h=h["h"], ids=h["ids"], weights=h["weights"], w2_packed=a["w2_packed"],
+        if route:
+            sel = route[0](logits=a["logits"], score_bias=a["score_bias"])
+            h = gate_up(z=a["z"], ids=sel["ids"], **w)["h"]
+        else:
+            sel = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
+            h = sel["h"]
+        return down(h=h, ids=sel["ids"], weights=sel["weights"], w2_packed=a["w2_packed"],
                     w2_scale=a["w2_scale"])["y"]
 
     def _kda_decode_fb(self, a, k):

@@ -40,7 +40,7 @@ def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
     return out
 
 
-SMEM_BUDGET = 200 * 1024  # bytes of shared memory one CTA of the tensor-core path may take (H200: 227 KiB)
+SMEM_BUDGET = 216 * 1024  # bytes of shared memory one CTA of the tensor-core path may take (H200: 227 KiB)
 
 
 def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
@@ -49,16 +49,21 @@ def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
     accumulators stay <= 128 registers). The warps split each K stage into 32-element slices (8 warps for m <= 16,
     else 4: the cross-warp reduction buffer grows with m); the ring takes what the shared-memory budget leaves
-    after that buffer (halved when the grid needs two CTAs per SM), at most 8 stages and no more than K has."""
+    after that buffer (halved when the grid needs two CTAs per SM), at most 8 stages and no more than K has; RT
+    shrinks until the buffer and two stages fit SMEM_BUDGET (the lm_head's 20480 rows)."""
     nt = m // 8
-    rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
-    grid = math.ceil(n / (16 * rt))
     warps = 8 if m <= 16 else 4
+
+    def smem(rt, stages):  # fp32 partial sums of every warp + the ring (per warp and stage: a 32-element slice
+        return warps * m * 16 * rt * 4 + stages * warps * (16 * rt + m) * 64  # of every W row and activation row)
+
+    rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
+    while rt > 1 and smem(rt, 2) > SMEM_BUDGET:  # a ring of two stages must fit (large N: more waves instead)
+        rt -= 1
+    grid = math.ceil(n / (16 * rt))
     kst = math.ceil(k / (32 * warps))
     budget = SMEM_BUDGET // min(2, math.ceil(grid / SMS))
-    red = warps * m * 16 * rt * 4  # fp32 partial sums of every warp
-    stage = warps * (16 * rt + m) * 64  # per warp: a 32-element slice of every W row and activation row
-    stages = max(2, min(8, kst, (budget - red) // stage))
+    stages = max(2, min(8, kst, (budget - smem(rt, 0)) // (smem(rt, 1) - smem(rt, 0))))
     return warps, rt, stages, grid
 
 

@@ -1,9 +1,12 @@
-"""Templates ``moe_gate_up`` and ``moe_down_combine``: the dialect op ``routed_experts`` in two launches
-(kernels/moe_gate_up.py, kernels/moe_down_combine.py).
+"""Templates ``moe_route``, ``moe_gate_up`` and ``moe_down_combine``: the dialect op ``routed_experts`` in two
+launches, three from batch ROUTE_MIN_BUCKET (kernels/moe_route.py, moe_gate_up.py, moe_down_combine.py).
 
 ``moe_gate_up`` selects each token's experts from its router logits (sigmoid + biased top-k, exactly
 ``k3compile.dialect._select``), runs the MXFP4 gate/up GEMVs of every (token, slot) and applies SiTU-GLU:
-``h [M, TOPK, I]`` bf16, ``ids [M, TOPK]`` i32 and ``weights [M, TOPK]`` f32. ``moe_down_combine`` runs
+``h [M, TOPK, I]`` bf16, ``ids [M, TOPK]`` i32 and ``weights [M, TOPK]`` f32. Every one of its CTAs selects
+every token (it needs all the groups); from batch ROUTE_MIN_BUCKET that is M / WARPS selections one after
+another per warp, so ``moe_route`` selects once (ids, weights) and ``moe_gate_up`` (ROUTED) reads the ids and
+returns h only. ``moe_down_combine`` runs
 the down GEMVs of the same (token, slot) pairs and sums them with the routing weights:
 ``y [M, L] = bf16(sum_j weights[m, j] * bf16(h[m, j] . deq(W2[ids[m, j]])^T))`` (ops.latent_moe_experts).
 Under TP the experts hold an intermediate-dim shard and y is a partial sum.
@@ -25,6 +28,8 @@ MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
 DOWN_WARPS = 4  # moe_down_combine warps per CTA (one CTA per 16 output rows)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
+ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
+ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
 
 def _check_common(name, bucket, n_experts, top_k, latent, inter):
@@ -156,14 +161,19 @@ class MoeGateUp(_RoutedExperts):
                                         "per CTA at a time"),
                 const("CTAS", ctas, "persistent CTAs (tasks are strided over their task slots)"),
                 const("OCC", occ, "CTAs per SM (register budget: 65536 / (OCC * THREADS))"),
-                const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)")]
+                const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)"),
+                const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
+                                                            f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
+        weights = [Arg("w1_packed", "u8", (e, i, l // 2), "weight"), Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
+                   Arg("w3_packed", "u8", (e, i, l // 2), "weight"), Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
+        if c["ROUTED"]:
+            return [Arg("z", "bf16", (m, l), "act"), Arg("ids", "i32", (m, k), "act"), *weights,
+                    Arg("h", "bf16", (m, k, i), "out")]
         return [Arg("z", "bf16", (m, l), "act"), Arg("logits", "f32", (m, e), "act"),
-                Arg("score_bias", "f32", (e,), "weight"),
-                Arg("w1_packed", "u8", (e, i, l // 2), "weight"), Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
-                Arg("w3_packed", "u8", (e, i, l // 2), "weight"), Arg("w3_scale", "u8", (e, i, l // 32), "weight"),
+                Arg("score_bias", "f32", (e,), "weight"), *weights,
                 Arg("h", "bf16", (m, k, i), "out"), Arg("ids", "i32", (m, k), "out"),
                 Arg("weights", "f32", (m, k), "out")]
 
@@ -171,10 +181,20 @@ class MoeGateUp(_RoutedExperts):
         m, e, l, i = c["M"], c["E"], c["L"], c["I"]
         w1, s1 = _random_mx(gen, e, i, l)
         w3, s3 = _random_mx(gen, e, i, l)
-        return {"z": torch.randn(m, l, generator=gen).to(torch.bfloat16),
-                "logits": torch.randn(m, e, generator=gen),
-                "score_bias": 0.1 * torch.randn(e, generator=gen),
-                "w1_packed": w1, "w1_scale": s1, "w3_packed": w3, "w3_scale": s3}
+        logits, bias = torch.randn(m, e, generator=gen), 0.1 * torch.randn(e, generator=gen)
+        out = {"z": torch.randn(m, l, generator=gen).to(torch.bfloat16),
+               "w1_packed": w1, "w1_scale": s1, "w3_packed": w3, "w3_scale": s3}
+        if c["ROUTED"]:  # ids as moe_route selects them
+            out["ids"] = select_reference(logits, bias, c["TOPK"], c["RENORMALIZE"], c["SCALING"])[1].to(torch.int32)
+        else:
+            out.update(logits=logits, score_bias=bias)
+        return out
+
+    def _ids(self, c, d):
+        """(routing weights or None, ids): selected from the logits, or moe_route's ids (ROUTED)."""
+        if c["ROUTED"]:
+            return None, d["ids"].long()
+        return select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
 
     def torch_baseline(self, c, d):
         """Eager: selection, then the selected experts gathered and dequantised to bf16 on the fly."""
@@ -182,23 +202,25 @@ class MoeGateUp(_RoutedExperts):
         from k3compile.models.mxfp4 import dequantize
 
         def run():
-            w, ids = select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
+            w, ids = self._ids(c, d)
             z = d["z"][:, None, None, :]
             gate = torch.matmul(z, dequantize(d["w1_packed"][ids], d["w1_scale"][ids]).transpose(-1, -2))[..., 0, :]
             up = torch.matmul(z, dequantize(d["w3_packed"][ids], d["w3_scale"][ids]).transpose(-1, -2))[..., 0, :]
             d["h"].copy_(ops.situ_glu(gate, up, c["BETA"], c["LINEAR_BETA"]))
-            d["ids"].copy_(ids)
-            d["weights"].copy_(w)
+            if not c["ROUTED"]:
+                d["ids"].copy_(ids)
+                d["weights"].copy_(w)
         return run
 
     def reference(self, c, inputs):
-        weights, ids = select_reference(inputs["logits"], inputs["score_bias"], c["TOPK"], c["RENORMALIZE"],
-                                        c["SCALING"])
+        weights, ids = self._ids(c, inputs)
         z = inputs["z"].double()[:, None, :].expand(-1, ids.shape[1], -1)  # [M, K, L]
         gate = _bf16(_per_expert(ids, z, inputs["w1_packed"], inputs["w1_scale"], c["I"]))
         up = _bf16(_per_expert(ids, z, inputs["w3_packed"], inputs["w3_scale"], c["I"]))
         b, lb = c["BETA"], c["LINEAR_BETA"]
         h = b * torch.tanh(gate / b) * torch.sigmoid(gate) * (lb * torch.tanh(up / lb))
+        if c["ROUTED"]:
+            return {"h": h}
         return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double()}
 
     def tolerance(self, c):
@@ -209,9 +231,66 @@ class MoeGateUp(_RoutedExperts):
 
     def bytes(self, c):
         per_expert = 2 * c["I"] * (c["L"] // 2 + c["L"] // 32)  # W1 + W3 codes and scales
-        acts = c["M"] * (2 * c["L"] + 4 * c["E"]) + 4 * c["E"]  # z, logits, bias
-        outs = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
+        if c["ROUTED"]:
+            acts, outs = c["M"] * (2 * c["L"] + 4 * c["TOPK"]), c["M"] * c["TOPK"] * 2 * c["I"]  # z, ids; h
+        else:
+            acts = c["M"] * (2 * c["L"] + 4 * c["E"]) + 4 * c["E"]  # z, logits, bias
+            outs = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
         return int(round(per_expert * _expected_experts(c))) + acts + outs
+
+
+class MoeRoute(_RoutedExperts):
+    name = "moe_route"
+    kernel_file = "moe_route.py"
+    libs = ("mxfp4_lib.py", "moe_lib.py")
+    doc = "router top-k (sigmoid + biased top-k, renormalised weights) once per step, a warp per token"
+
+    def examples(self):  # the buckets that launch it
+        ex = {f"{cfg}_b{b}": {"bucket": b, "n_experts": shape["n_experts"], "top_k": shape["top_k"], **_ROUTING}
+              for cfg, shape in (("mini", _MINI), ("k3tp8", _K3TP8)) for b in (16, 64)}
+        ex["mini_norenorm_b32"] = {"bucket": 32, "n_experts": 16, "top_k": 4, "renormalize": False,
+                                   "scaling_factor": 1.0}
+        return ex
+
+    def constants(self, *, bucket: int, n_experts: int, top_k: int, renormalize: bool, scaling_factor: float,
+                  latent: int = 32, inter: int = 32, beta: float = 1.0, linear_beta: float = 1.0) -> list:
+        # latent .. linear_beta: accepted so that codegen hands the three kernels the same parameters
+        _check_common(self.name, bucket, n_experts, top_k, latent, inter)
+        return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
+                const("TOPK", top_k, "experts per token"),
+                const("RENORMALIZE", bool(renormalize), "renormalise the selected scores to sum 1"),
+                const("SCALING", float(scaling_factor), "routed scaling factor"),
+                const("WARPS", ROUTE_WARPS, "warps per CTA (one token each)")]
+
+    def args(self, c):
+        m, e, k = c["M"], c["E"], c["TOPK"]
+        return [Arg("logits", "f32", (m, e), "act"), Arg("score_bias", "f32", (e,), "weight"),
+                Arg("ids", "i32", (m, k), "out"), Arg("weights", "f32", (m, k), "out")]
+
+    def random_inputs(self, c, gen):
+        return {"logits": torch.randn(c["M"], c["E"], generator=gen),
+                "score_bias": 0.1 * torch.randn(c["E"], generator=gen)}
+
+    def torch_baseline(self, c, d):
+        def run():
+            w, ids = select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
+            d["ids"].copy_(ids)
+            d["weights"].copy_(w)
+        return run
+
+    def reference(self, c, inputs):
+        weights, ids = select_reference(inputs["logits"], inputs["score_bias"], c["TOPK"], c["RENORMALIZE"],
+                                        c["SCALING"])
+        return {"ids": ids.to(torch.int32), "weights": weights.double()}
+
+    def tolerance(self, c):
+        return {"weights": 1e-5}
+
+    def flops(self, c):
+        return 0
+
+    def bytes(self, c):
+        return 4 * (c["M"] * c["E"] + c["E"] + 2 * c["M"] * c["TOPK"])
 
 
 class MoeDownCombine(_RoutedExperts):

@@ -119,7 +119,7 @@ class Kernel:
         # 64 registers for occupancy and spills).
         if cutlass.const_expr(MMA):
             self.kernel_mma(cute.recast_tensor(mW, Uint32), cute.recast_tensor(mX, Uint32), mYf, mYb).launch(
-                grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
+                grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1)
         else:
             self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
                                                         use_pdl=True, min_blocks_per_mp=1)
@@ -276,7 +276,8 @@ class Kernel:
     @cute.kernel
     def kernel_mma(self, mWq: cute.Tensor, mXq: cute.Tensor, mYf, mYb):
         """Tensor-core path (MMA): a CTA owns R = 16 RT rows of W (RT MMA row tiles, the MMA's M) for all M batch
-        rows (NT column tiles of 8, the MMA's N). K goes in stages of KB = 32 WARPS elements through a
+        rows (NT column tiles of 8, the MMA's N). K goes in stages of KB = 32 WARPS elements (CTA c from stage
+        c * KST / GRID on, wrapping around) through a
         STAGES-deep cp.async ring in shared memory (weights and activations; every thread copies its share,
         one barrier per stage); warp w takes the stage's 32-element slice w, so each weight and activation
         element is read from shared memory once. In a slice, lane (g, t) reads elements 8t .. 8t+7 of rows g
@@ -287,7 +288,11 @@ class Kernel:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         tid = cute.arch.thread_idx()[0]
-        row0 = cute.arch.block_idx()[0] * R
+        cta = cute.arch.block_idx()[0]
+        row0 = cta * R
+        # Every CTA reads the same activations: starting all of them at K stage 0 would have ~GRID SMs fetch the
+        # same few L2 lines at once. CTA c starts at stage c * KST / GRID instead and wraps around.
+        rot = (cta * KST) // GRID
         g = lane // 4
         t = lane % 4
         smem = cutlass.utils.SmemAllocator()
@@ -304,22 +309,22 @@ class Kernel:
         # Weights are static: their first stages may stream in while the previous kernel still runs.
         for s in cutlass.range_constexpr(STAGES - 1):
             if s < KST:
-                self.issue_stage(mWq, mXq, sW, sX, s, s, row0, tid, True, False)
+                self.issue_stage(mWq, mXq, sW, sX, s, (s + rot) % KST, row0, tid, True, False)
         cute.arch.griddepcontrol_wait()  # the activations come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         for s in cutlass.range_constexpr(STAGES - 1):  # group s: stage s complete (with the weights above)
             if s < KST:
-                self.issue_stage(mWq, mXq, sW, sX, s, s, row0, tid, False, True)
+                self.issue_stage(mWq, mXq, sW, sX, s, (s + rot) % KST, row0, tid, False, True)
             cute.arch.cp_async_commit_group()
         for s in cutlass.range(KST, unroll=1):
             cute.arch.cp_async_wait_group(STAGES - 2)  # stage s has landed (this thread's copies) ...
             cute.arch.sync_threads()  # ... and every thread's; the slot of stage s - 1 is free again
             nxt = s + STAGES - 1
             if nxt < KST:
-                self.issue_stage(mWq, mXq, sW, sX, nxt % STAGES, nxt, row0, tid, True, True)
+                self.issue_stage(mWq, mXq, sW, sX, nxt % STAGES, (nxt + rot) % KST, row0, tid, True, True)
             cute.arch.cp_async_commit_group()
             slot = s % STAGES
-            if s * KB + 32 * warp < K:  # a partial last stage leaves the last warps without a slice
+            if ((s + rot) % KST) * KB + 32 * warp < K:  # a partial last stage leaves its last warps without a slice
                 for rt in cutlass.range_constexpr(RT):
                     for h in cutlass.range_constexpr(2):
                         cute.autovec_copy(cute.local_tile(sW[slot, warp, rt * 16 + g + 8 * h, None], (4,), (t,)),

@@ -1,4 +1,5 @@
-"""Routed MXFP4 experts, launch 1 of 2: router selection + gate/up GEMMs + SiTU-GLU (template moe_gate_up).
+"""Routed MXFP4 experts: router selection + gate/up GEMMs + SiTU-GLU (template moe_gate_up; moe_down_combine
+follows).
 
 For token m and selected slot j (expert e = ids[m, j]):
     gate = bf16(z[m] . deq(W1[e])^T),  up = bf16(z[m] . deq(W3[e])^T)          (fp32 accumulation)
@@ -9,14 +10,13 @@ descending (ties: lower expert id); weights = scores[ids] (/ (sum + 1e-20) if RE
 Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
 
 1. Routing (every CTA, the same result; CTA 0 alone writes ids/weights). Warp w selects tokens w, w+WARPS,
-   ...: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32; the bias, a weight, is
-   loaded before the PDL wait, and the warp's next token's logits while it selects the current one) and
-   its two best (a tree of selects carrying key and index). Each of TOPK rounds is two ``redux.sync`` over
-   the lanes' best (max key, then min id among the lanes holding it: lower id wins ties); only the winning
-   lane moves on, to its second best or, on its third win, to a new tree over its keys after the one
-   taken. The keys' sigmoid uses an approximate reciprocal (about 1 ulp); lane j keeps round j's winner and
-   recomputes its score from the logit with the IEEE division, as the reference; the weights' sum runs in
-   round order by shuffles.
+   ... with moe_lib.select_topk: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32;
+   the bias, a weight, is loaded before the PDL wait, and the warp's next token's logits while it selects
+   the current one), each of TOPK rounds is two ``redux.sync``. The keys' sigmoid uses an approximate
+   reciprocal (about 1 ulp); lane j keeps round j's winner and recomputes its score from the logit with the
+   IEEE division, as the reference; the weights' sum runs in round order by shuffles.
+   With ROUTED (from batch 16, where each warp would select M / WARPS tokens one after another in every CTA)
+   moe_route has selected every token once, and this phase only reads its ids.
 2. Grouping by expert in shared memory: a histogram of the M*TOPK selected ids (shared atomics), one block
    scan over E experts gives each active expert its start in a list of (token, slot) pairs, and a scatter
    fills the list. Each distinct expert is then read and decoded once per step, however many tokens
@@ -39,14 +39,13 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    and up to bf16, applies SiTU-GLU and writes h for each (token, slot) column.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from k3compile.templates.kernels.moe_lib import block_mma, group_buffers, group_pairs
+from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, routing_weight,
+                                                 select_topk, sigmoid)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -64,6 +63,7 @@ KSPLIT = 2  # warps sharing one task (they split its reduction); WARPS / KSPLIT 
 CTAS = 16  # persistent CTAs (tasks are strided over their task slots)
 OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
+ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -78,49 +78,34 @@ X_RING = M > 1  # activations travel in the ring with the weights; with one toke
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
 
 
-def _sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
-
-
-def _key_score(x):
-    """The router's sigmoid for the selection keys, with an approximate reciprocal (rcp.approx, about 1 ulp;
-    1 + exp(-x) >= 1): the IEEE division is a call with a slow path that ptxas runs one sigmoid after another.
-    The winners' weights are recomputed with the IEEE division (_sigmoid), as the reference computes them."""
-    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-x))
-
-
 def _situ(gate, up):
     """h = SiTU-GLU of the fp32 sums, each rounded to bf16 first (as the reference rounds gate and up)."""
     g = gate.to(BFloat16).to(Float32)
     u = up.to(BFloat16).to(Float32)
-    act = Float32(BETA) * cute.math.tanh(g / Float32(BETA)) * _sigmoid(g)
+    act = Float32(BETA) * cute.math.tanh(g / Float32(BETA)) * sigmoid(g)
     return (act * (Float32(LINEAR_BETA) * cute.math.tanh(u / Float32(LINEAR_BETA)))).to(BFloat16)
 
 
-def _lane_best(rKey, tk, ti):
-    """This lane's largest key after (tk, ti) in the selection order (key descending, index ascending) and its
-    index, as a tree of selects (depth log2 EPL rather than a chain of EPL compares); entries at or before
-    (tk, ti) count as key 0, below every real key. Plain Python: unrolled at trace time."""
-    bk = [Uint32(cutlass.select_((rKey[i] < tk) | ((rKey[i] == tk) & (Int32(i) > ti)), rKey[i], Uint32(0)))
-          for i in range(EPL)]
-    bi = [Int32(i) for i in range(EPL)]
-    width = EPL
-    while width > 1:
-        half = (width + 1) // 2
-        for i in range(width // 2):
-            r = half + i
-            take = (bk[r] > bk[i]) | ((bk[r] == bk[i]) & (bi[r] < bi[i]))
-            bk[i] = Uint32(cutlass.select_(take, bk[r], bk[i]))
-            bi[i] = Int32(cutlass.select_(take, bi[r], bi[i]))
-        width = half
-    return bk[0], bi[0]
-
-
 class Kernel:
+    # The argument list follows templates/moe_experts.py (MoeGateUp.args): with ROUTED the ids are an input
+    # (from moe_route) and h the only output.
+    if ROUTED:
+
+        @cute.jit
+        def __call__(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
+                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, stream):
+            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, mIds, None, stream)
+
+    else:
+
+        @cute.jit
+        def __call__(self, mZ: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1: cute.Tensor,
+                     mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor,
+                     mWts: cute.Tensor, stream):
+            self._launch(mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, stream)
+
     @cute.jit
-    def __call__(self, mZ: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1: cute.Tensor,
-                 mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor,
-                 mWts: cute.Tensor, stream):
+    def _launch(self, mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, stream):
         mZq = cute.recast_tensor(mZ, Uint32)  # [M, L/2] bf16 pairs
         mW1q = cute.recast_tensor(mW1, Uint32)  # [E, I, L/8] 8 codes per word
         mW3q = cute.recast_tensor(mW3, Uint32)
@@ -141,50 +126,16 @@ class Kernel:
     @cute.jit
     def select(self, rLog: cute.Tensor, rBias: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
                mWts: cute.Tensor, sIds: cute.Tensor, lane, m, writer):
-        """One warp: top-TOPK of sigmoid(logits) + bias for token m (its logits in rLog, lane + 32 i) into
-        sIds[m*TOPK + j]. Lane j keeps round j's winner, so at the end TOPK lanes store at once. Only keys stay
-        in registers (EPL per lane); the winners' scores are recomputed from their logits at the end."""
-        rKey = cute.make_rmem_tensor((EPL,), Uint32)
-        for i in cutlass.range_constexpr(EPL):
-            rKey[i] = Uint32(0)  # past E: below every real key
-            if lane + 32 * i < E:
-                f = _key_score(rLog[i]) + rBias[i]
-                u = f.bitcast(Uint32)
-                flip = Uint32(f.bitcast(Int32) >> Int32(31)) | Uint32(0x80000000)
-                rKey[i] = u ^ flip  # order-preserving: larger float, larger key
-        # each lane keeps its two best keys; a round takes the warp's best (max key, then min id) and only the
-        # winning lane moves on: to its second, or, on its third win, to a fresh tree over the keys after it
-        k1, i1 = _lane_best(rKey, Uint32(0xFFFFFFFF), Int32(-1))
-        k2, i2 = _lane_best(rKey, k1, i1)
-        have2 = Int32(1)
-        my_id = Int32(0)
-        for j in cutlass.range(TOPK, unroll=1):
-            kmax = cute.arch.warp_redux_sync(k1, "umax")
-            cand = Uint32(0xFFFFFFFF)
-            if k1 == kmax:
-                cand = Uint32(lane) + Uint32(32) * Uint32(i1)
-            win = cute.arch.warp_redux_sync(cand, "umin")
-            my_id = Int32(cutlass.select_(lane == j, Int32(win), my_id))
-            if Uint32(lane) == win % Uint32(32):
-                if have2 == Int32(1):
-                    k1, i1 = k2, i2
-                    have2 = Int32(0)
-                else:
-                    k1, i1 = _lane_best(rKey, k1, i1)
-        score = Float32(0.0)
+        """One warp: token m's experts (its logits in rLog) into sIds[m*TOPK + j] (lane j keeps round j's winner,
+        so TOPK lanes store at once); the writer CTA also stores ids and routing weights."""
+        my_id = select_topk(rLog, rBias, lane, E, TOPK)
         if lane < TOPK:
-            score = _sigmoid(mLogits[m, my_id])
             sIds[m * TOPK + lane] = my_id
         if writer:
-            w = score
-            if cutlass.const_expr(RENORMALIZE):
-                total = Float32(0.0)
-                for j in cutlass.range_constexpr(TOPK):  # in round order, as the reference sums them
-                    total = total + cute.arch.shuffle_sync(score, j)
-                w = w / (total + Float32(1e-20))
+            w = routing_weight(mLogits, m, my_id, lane, TOPK, RENORMALIZE, SCALING)
             if lane < TOPK:
                 mIds[m, lane] = my_id
-                mWts[m, lane] = w * Float32(SCALING)
+                mWts[m, lane] = w
 
     @cute.jit
     def issue_step(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor,
@@ -228,9 +179,8 @@ class Kernel:
             rX.fill(0)
 
     @cute.kernel
-    def kernel(self, mZq: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1q: cute.Tensor,
-               mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor,
-               mWts: cute.Tensor):
+    def kernel(self, mZq: cute.Tensor, mLogits, mBias, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
+               mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor, mWts):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -247,25 +197,31 @@ class Kernel:
 
         for e in cutlass.range(tid, E, THREADS, unroll=1):
             sCount[e] = Int32(0)
-        rBias = cute.make_rmem_tensor((EPL,), Float32)  # a static weight: loaded before the PDL wait
-        for i in cutlass.range_constexpr(EPL):
-            rBias[i] = Float32(0.0)
-            if lane + 32 * i < E:
-                rBias[i] = mBias[lane + 32 * i]
-        cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
-        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
-        if cutlass.const_expr(not X_RING):  # stage the one token's activations (visible after group_pairs' barriers)
-            for v in cutlass.range(tid, L // 8, THREADS, unroll=1):
-                cute.autovec_copy(cute.local_tile(mZq[0, None], (4,), (v,)), cute.local_tile(sX, (4,), (v,)))
+        if cutlass.const_expr(ROUTED):  # moe_route selected: its ids (and, through it, z) are ready after the wait
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+            for p in cutlass.range(tid, P, THREADS, unroll=1):
+                sIds[p] = mIds[p // TOPK, p % TOPK]
+        else:
+            rBias = cute.make_rmem_tensor((EPL,), Float32)  # a static weight: loaded before the PDL wait
+            for i in cutlass.range_constexpr(EPL):
+                rBias[i] = Float32(0.0)
+                if lane + 32 * i < E:
+                    rBias[i] = mBias[lane + 32 * i]
+            cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+            if cutlass.const_expr(not X_RING):  # stage the token's activations (visible after group_pairs' barriers)
+                for v in cutlass.range(tid, L // 8, THREADS, unroll=1):
+                    cute.autovec_copy(cute.local_tile(mZq[0, None], (4,), (v,)), cute.local_tile(sX, (4,), (v,)))
 
-        # each warp's next token's logits are loaded while it selects the current one
-        rLog = cute.make_rmem_tensor((EPL,), Float32)
-        self.load_logits(mLogits, rLog, lane, warp)
-        for m in cutlass.range(warp, M, WARPS, unroll=1):
-            rCur = cute.make_rmem_tensor((EPL,), Float32)
-            rCur.store(rLog.load())
-            self.load_logits(mLogits, rLog, lane, m + WARPS)
-            self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
+            # each warp's next token's logits are loaded while it selects the current one
+            rLog = cute.make_rmem_tensor((EPL,), Float32)
+            self.load_logits(mLogits, rLog, lane, warp)
+            for m in cutlass.range(warp, M, WARPS, unroll=1):
+                rCur = cute.make_rmem_tensor((EPL,), Float32)
+                rCur.store(rLog.load())
+                self.load_logits(mLogits, rLog, lane, m + WARPS)
+                self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
         cute.arch.sync_threads()
         n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
 

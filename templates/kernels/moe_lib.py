@@ -1,5 +1,6 @@
-"""What the two routed-expert kernels share (moe_gate_up, moe_down_combine): grouping the (token, slot) pairs
-by expert in shared memory, and one MX block of 16 weight rows through the tensor cores.
+"""What the routed-expert kernels share (moe_route, moe_gate_up, moe_down_combine): the router's top-k selection
+by one warp, grouping the (token, slot) pairs by expert in shared memory, and one MX block of 16 weight rows
+through the tensor cores.
 
 ``@cute.jit`` functions traced into the calling kernel; the kernels' sizes come in as Constexpr arguments.
 Templates that import this file list it in ``Template.libs`` (cache key, kernel names).
@@ -7,10 +8,95 @@ Templates that import this file list it in ``Template.libs`` (cache key, kernel 
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32
 
 from k3compile.templates.kernels.mxfp4_lib import (bf16x2_mul, decode_e2m1x8_sub, mma_bf16_16816, pair_hi4,
                                                    pair_lo4, scale_bf16x2)
+
+
+def sigmoid(x):
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+def _key_score(x):
+    """The router's sigmoid for the selection keys, with an approximate reciprocal (rcp.approx, about 1 ulp;
+    1 + exp(-x) >= 1): the IEEE division is a call with a slow path that ptxas runs one sigmoid after another.
+    The winners' weights are recomputed with the IEEE division (sigmoid), as the reference computes them."""
+    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-x))
+
+
+def _lane_best(rKey, tk, ti, EPL: int):
+    """This lane's largest key after (tk, ti) in the selection order (key descending, index ascending) and its
+    index, as a tree of selects (depth log2 EPL rather than a chain of EPL compares); entries at or before
+    (tk, ti) count as key 0, below every real key. Plain Python: unrolled at trace time."""
+    bk = [Uint32(cutlass.select_((rKey[i] < tk) | ((rKey[i] == tk) & (Int32(i) > ti)), rKey[i], Uint32(0)))
+          for i in range(EPL)]
+    bi = [Int32(i) for i in range(EPL)]
+    width = EPL
+    while width > 1:
+        half = (width + 1) // 2
+        for i in range(width // 2):
+            r = half + i
+            take = (bk[r] > bk[i]) | ((bk[r] == bk[i]) & (bi[r] < bi[i]))
+            bk[i] = Uint32(cutlass.select_(take, bk[r], bk[i]))
+            bi[i] = Int32(cutlass.select_(take, bi[r], bi[i]))
+        width = half
+    return bk[0], bi[0]
+
+
+@cute.jit
+def select_topk(rLog: cute.Tensor, rBias: cute.Tensor, lane, E: cutlass.Constexpr, TOPK: cutlass.Constexpr):
+    """One warp: the top-TOPK experts of sigmoid(logits) + bias for one token (its logits and the bias in rLog /
+    rBias, entry i of lane l for expert l + 32 i); returns round j's winner in lane j (j < TOPK). Only keys stay
+    in registers: each lane keeps its two best (a tree of selects carrying key and index); a round is two
+    ``redux.sync`` over the lanes' best (max key, then min id among the lanes holding it: lower id wins ties),
+    and only the winning lane moves on, to its second best or, on its third win, to a new tree over its keys
+    after the one taken."""
+    epl = (E + 31) // 32
+    rKey = cute.make_rmem_tensor((epl,), Uint32)
+    for i in cutlass.range_constexpr(epl):
+        rKey[i] = Uint32(0)  # past E: below every real key
+        if lane + 32 * i < E:
+            f = _key_score(rLog[i]) + rBias[i]
+            u = f.bitcast(Uint32)
+            flip = Uint32(f.bitcast(Int32) >> Int32(31)) | Uint32(0x80000000)
+            rKey[i] = u ^ flip  # order-preserving: larger float, larger key
+    k1, i1 = _lane_best(rKey, Uint32(0xFFFFFFFF), Int32(-1), epl)
+    k2, i2 = _lane_best(rKey, k1, i1, epl)
+    have2 = Int32(1)
+    my_id = Int32(0)
+    for j in cutlass.range(TOPK, unroll=1):
+        kmax = cute.arch.warp_redux_sync(k1, "umax")
+        cand = Uint32(0xFFFFFFFF)
+        if k1 == kmax:
+            cand = Uint32(lane) + Uint32(32) * Uint32(i1)
+        win = cute.arch.warp_redux_sync(cand, "umin")
+        my_id = Int32(cutlass.select_(lane == j, Int32(win), my_id))
+        if Uint32(lane) == win % Uint32(32):
+            if have2 == Int32(1):
+                k1, i1 = k2, i2
+                have2 = Int32(0)
+            else:
+                k1, i1 = _lane_best(rKey, k1, i1, epl)
+    return my_id
+
+
+@cute.jit
+def routing_weight(mLogits: cute.Tensor, m, my_id, lane, TOPK: cutlass.Constexpr, RENORMALIZE: cutlass.Constexpr,
+                   SCALING: cutlass.Constexpr):
+    """The routing weight of lane j's expert (select_topk's round j, j < TOPK) for token m: its score recomputed
+    from the logit with the IEEE division, as the reference; renormalised by the sum in round order (shuffles),
+    times SCALING. Every lane of the warp must call it (the shuffles)."""
+    score = Float32(0.0)
+    if lane < TOPK:
+        score = sigmoid(mLogits[m, my_id])
+    w = score
+    if cutlass.const_expr(RENORMALIZE):
+        total = Float32(0.0)
+        for j in cutlass.range_constexpr(TOPK):  # in round order, as the reference sums them
+            total = total + cute.arch.shuffle_sync(score, j)
+        w = w / (total + Float32(1e-20))
+    return w * Float32(SCALING)
 
 
 def group_buffers(smem, E: int, P: int, WARPS: int):

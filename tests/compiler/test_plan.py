@@ -14,6 +14,7 @@ import pytest
 from k3compile.cli import main
 from k3compile.models import kimi_k3
 from k3compile.plan import B, plans_for
+from k3compile.templates.moe_experts import ROUTE_MIN_BUCKET
 
 MB = 1e6
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -40,7 +41,9 @@ def test_kda_moe_layer_launches_and_bytes(plans):
     tp, by_bucket = plans
     for b in BUCKETS:
         lp = by_bucket[b].by_kind()["kda+moe"]
-        assert len(lp.launches) <= 8, [l.name for l in lp.launches]
+        # 8, plus the router selection's own launch from ROUTE_MIN_BUCKET (each gate/up CTA would otherwise
+        # select M / 4 tokens one after another per warp: ~100 us at batch 64 on the H200)
+        assert len(lp.launches) <= 8 + (b >= ROUTE_MIN_BUCKET), [l.name for l in lp.launches]
         # weights + state against the hand count (activations are the rest: a few hundred kB per row)
         got = sum(float((l.weight_bytes + l.state_bytes).subs(B, b)) for l in lp.launches)
         want = expected_kda_moe(tp, b)

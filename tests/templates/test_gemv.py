@@ -13,7 +13,7 @@ import torch
 from k3compile import build
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import SMEM_BUDGET, SMS, segmented
+from templates.gemv import SMEM_BUDGET, SMS, mma_split, segmented
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -35,6 +35,20 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
     assert not T.point(**{**EXAMPLES["k3tp8_b64"], "mma": False}).c["MMA"]  # codegen --batch-invariant
     with pytest.raises(TemplateError, match="mma=True needs"):
         T.point(**{**EXAMPLES["k3tp8_b1"], "mma": True})
+
+
+def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
+    from k3compile.models.config import get_config
+
+    k3 = get_config("kimi_k3")
+    shapes = {(6284, 7168), (2096, 7168), (7168, 3584), (7168, 1792), (7168, 768), (7168, 4224), (12288, 7168),
+              (k3.vocab_size // 8, k3.hidden_size), (k3.vocab_size // 16, k3.hidden_size), (16, 256), (1024, 256)}
+    for m in (8, 16, 32, 64):
+        for n, k in shapes:
+            warps, rt, stages, grid = mma_split(m, n, k)
+            smem = warps * (m * 16 * rt * 4 + stages * (16 * rt + m) * 64)
+            assert smem <= SMEM_BUDGET and 2 <= stages <= 8 and rt * m // 8 <= 32, (m, n, k, rt, stages)
+            assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
 
 
 def test_examples_cover_the_required_labels():
@@ -142,8 +156,8 @@ def _simulate(c, inputs):
 
 def _simulate_mma(c, inputs):
     """The tensor-core path's split: CTA = R = 16*RT rows (the last CTA clamps its loads to row N-1 and writes
-    only rows < N); K goes in stages of KB = 32*WARPS elements, warp w taking the 32-element slice w of each
-    stage (none past K); in a slice lane (g, t) holds elements 8t..8t+7 and MMA i takes elements 8t+4i..8t+4i+3
+    only rows < N); K goes in stages of KB = 32*WARPS elements (CTA c from stage c*KST/GRID on, wrapping
+    around), warp w taking the 32-element slice w of each stage (none past K); in a slice lane (g, t) holds elements 8t..8t+7 and MMA i takes elements 8t+4i..8t+4i+3
     of every lane (logical k 2t, 2t+1 <- 8t+4i, +1; 2t+8, 2t+9 <- 8t+4i+2, +3), rows g / g+8 of each row tile,
     batch row g of each column tile; the warps' partial sums are added in warp order."""
     M, N, K, NF, W = c["M"], c["N"], c["K"], c["N_F32"], c["WARPS"]
@@ -153,10 +167,12 @@ def _simulate_mma(c, inputs):
     y = torch.full((M, N), float("nan"))
     writes = torch.zeros(M, N, dtype=torch.int64)
     covered = torch.zeros(K, dtype=torch.int64)
+    kst = -(-K // kb)
     for cta in range(c["GRID"]):
         rows = torch.clamp(torch.arange(cta * R, cta * R + R), max=N - 1)
         acc = torch.zeros(W, R, M)
-        for stage in range(-(-K // kb)):
+        for i in range(kst):  # CTA c starts at stage c * KST / GRID and wraps around
+            stage = (i + cta * kst // c["GRID"]) % kst
             for warp in range(W):
                 k0 = stage * kb + 32 * warp
                 if k0 >= K:

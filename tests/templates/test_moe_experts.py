@@ -1,4 +1,4 @@
-"""Templates moe_gate_up / moe_down_combine on the CPU: the in-register MXFP4 decode (shift/LOP3 bf16
+"""Templates moe_route / moe_gate_up / moe_down_combine on the CPU: the in-register MXFP4 decode (shift/LOP3 bf16
 subnormal patterns times one or two packed bf16 powers of two) mirrored bit-exactly in numpy against
 models/mxfp4.dequantize for every code byte x every scale byte, and a block dot in the MMA's K order;
 every example compiles for sm_90a without spills; rendering is deterministic; bad parameters are refused;
@@ -15,16 +15,17 @@ import torch
 from k3compile import dialect
 from k3compile.models import mxfp4
 from k3compile.templates import TemplateError, get
+from k3compile.templates.moe_experts import ROUTE_MIN_BUCKET
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
 from template_checks import module_constants
 from k3compile.mxfp4_mirror import decode_e2m1x8_sub, every_byte_every_scale, scale_bf16x2
 
-GU, DC = get("moe_gate_up"), get("moe_down_combine")
+GU, DC, RT = get("moe_gate_up"), get("moe_down_combine"), get("moe_route")
 
 
 # ------------------------------------------------------------------------------------------------ decode tests
-def test_both_kernels_use_the_decode_library():
-    for t in (GU, DC):
+def test_the_kernels_use_the_moe_library():
+    for t in (GU, DC, RT):
         assert "from k3compile.templates.kernels.moe_lib import" in t.source()
         assert t.libs == ("mxfp4_lib.py", "moe_lib.py")
     # the library is part of the kernels' identity: editing it renames (and recompiles) every MXFP4 kernel
@@ -74,10 +75,11 @@ def test_gate_up_shape_limits(bad, msg):
 
 
 # ------------------------------------------------------------------------------------------------ template tests
-@pytest.mark.parametrize("T", [GU, DC], ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [GU, DC, RT], ids=lambda t: t.name)
 def test_examples_render_deterministic(T):
     ex = T.examples()
-    assert {f"{c}_b{b}" for c in ("mini", "k3tp8") for b in (1, 8, 64)} <= set(ex)
+    buckets = (16, 64) if T is RT else (1, 8, 64)
+    assert {f"{c}_b{b}" for c in ("mini", "k3tp8") for b in buckets} <= set(ex)
     text = T.source()
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and "# (example values" in text
     for label, params in ex.items():
@@ -95,20 +97,30 @@ def test_examples_render_deterministic(T):
             assert (env["CTAS"] - 1) * env["SLOTS"] < env["MAXA"] * env["RT"], label
             assert env["KSPLIT"] <= env["STEPS"] and env["CTAS"] <= env["OCC"] * 132, label
             assert env["MAXA"] == min(c["E"], c["M"] * c["TOPK"])
+            assert c["ROUTED"] == (c["M"] >= ROUTE_MIN_BUCKET), label
+        elif T is RT:  # a warp per token
+            assert env["CTAS"] * env["WARPS"] >= c["M"] > (env["CTAS"] - 1) * env["WARPS"], label
         else:  # every output row tile has a CTA; the k-steps cover the reduction (the last may be partial)
             assert 16 * env["CTAS"] == c["L"] and 4 * env["STEPS"] >= env["NB"] > 4 * (env["STEPS"] - 1), label
             assert env["MAXA"] == min(c["E"], c["M"] * c["TOPK"])
 
 
 def test_kernel_signatures_follow_args():
-    for T, file in ((GU, "moe_gate_up.py"), (DC, "moe_down_combine.py")):
+    # gate/up: the ROUTED signature comes first in the file (ids in, h out), then the selecting one
+    for T, file, labels in ((GU, "moe_gate_up.py", ("mini_b64", "mini_b1")), (DC, "moe_down_combine.py", ("mini_b1",)),
+                            (RT, "moe_route.py", ("mini_b16",))):
         src = (KERNELS_DIR / file).read_text()
-        sig = re.search(r"def __call__\(self, (.*?), stream\)", src, re.S).group(1)
-        params = [p.split(":")[0].strip() for p in sig.split(",")]
-        args = T.point(**T.examples()["mini_b1"]).args()
-        assert len(params) == len(args), file
-        for p, a in zip(params, args):  # mZ <-> z, mW1 <-> w1_packed, ...
-            assert p.startswith("m"), p
+        sigs = re.findall(r"def __call__\(self, (.*?), stream\)", src, re.S)
+        assert len(sigs) == len(labels), file
+        for sig, label in zip(sigs, labels):
+            params = [p.split(":")[0].strip() for p in sig.split(",")]
+            args = T.point(**T.examples()[label]).args()
+            assert [p[1:].lower() for p in params] == [_short(a.name) for a in args], (file, label)
+
+
+def _short(name):  # the kernel's tensor names: mZ <-> z, mW1 <-> w1_packed, mS1 <-> w1_scale, mBias <-> score_bias
+    return {"score_bias": "bias", "weights": "wts", "w1_packed": "w1", "w3_packed": "w3", "w2_packed": "w2",
+            "w1_scale": "s1", "w3_scale": "s3", "w2_scale": "s2"}.get(name, name)
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -116,8 +128,8 @@ def test_kernel_signatures_follow_args():
     ({"top_k": 17, "n_experts": 16}, "top_k"), ({"n_experts": 2000}, "n_experts"), ({"top_k": 0}, "top_k"),
 ])
 def test_bad_params(bad, msg):
-    for T in (GU, DC):
-        params = {**T.examples()["mini_b1"], **bad}
+    for T in (GU, DC, RT):
+        params = {**T.examples()["mini_b16" if T is RT else "mini_b1"], **bad}
         with pytest.raises(TemplateError, match=msg):
             T.point(**params)
     with pytest.raises(TemplateError, match="beta"):
@@ -125,10 +137,10 @@ def test_bad_params(bad, msg):
 
 
 def test_bytes_and_flops():
-    for T in (GU, DC):
+    for T in (GU, DC, RT):
         for label, params in T.examples().items():
             c = T.point(**params).c
-            assert T.flops(c) > 0 and T.bytes(c) > 0
+            assert (T.flops(c) > 0) == (T is not RT) and T.bytes(c) > 0
     c1, c64 = GU.point(**GU.examples()["k3tp8_b1"]).c, GU.point(**GU.examples()["k3tp8_b64"]).c
     per_expert = 2 * 384 * (1792 + 112)
     assert abs(GU.bytes(c1) - 16 * per_expert) < 0.01 * 16 * per_expert
@@ -159,9 +171,30 @@ def test_references_agree_with_dialect(label):
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("label", ["mini_b16", "mini_norenorm_b32", "k3tp8_b64"])
+def test_route_reference_and_routed_gate_up_agree_with_dialect(label):
+    """moe_route's ids/weights are dialect._select's; moe_gate_up with ROUTED, given those ids, gives the h the
+    selecting gate/up gives from the logits."""
+    c = RT.point(**RT.examples()[label]).c
+    inp = RT.random_inputs(c, torch.Generator().manual_seed(2))
+    ref = RT.reference(c, inp)
+    w_sel, ids_sel = dialect._select(inp["logits"], inp["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
+    assert torch.equal(ref["ids"].long(), ids_sel) and ref["ids"].dtype == torch.int32
+    assert torch.equal(ref["weights"], w_sel.double())
+    if label != "mini_b16":
+        return
+    routed = GU.point(**GU.examples()["mini_b64"]).c
+    selecting = GU.point(**{**GU.examples()["mini_b64"], "bucket": 8}).c
+    assert routed["ROUTED"] and not selecting["ROUTED"]
+    g = GU.random_inputs(selecting, torch.Generator().manual_seed(3))
+    h_sel = GU.reference(selecting, g)
+    h_routed = GU.reference(routed, {**g, "ids": h_sel["ids"]})  # (the reference takes M from the inputs)
+    assert set(h_routed) == {"h"} and torch.equal(h_routed["h"], h_sel["h"])
+
+
 def test_random_inputs_shapes_and_ranges():
-    for T in (GU, DC):
-        for label in ("mini_b8", "k3tp8_b1"):
+    for T, labels in ((GU, ("mini_b8", "k3tp8_b1", "k3tp8_b64")), (DC, ("mini_b8", "k3tp8_b1")), (RT, ("k3tp8_b16",))):
+        for label in labels:
             c = T.point(**T.examples()[label]).c
             inp = T.random_inputs(c, torch.Generator().manual_seed(0))
             for a in T.args(c):
@@ -184,14 +217,14 @@ def test_random_inputs_shapes_and_ranges():
 def reports(tmp_path_factory):
     from k3compile import build
 
-    pts = {(T.name, label): T.point(**params) for T in (GU, DC) for label, params in T.examples().items()}
+    pts = {(T.name, label): T.point(**params) for T in (GU, DC, RT) for label, params in T.examples().items()}
     reps = build.build([build.job_for(p) for p in pts.values()], tmp_path_factory.mktemp("moe_build"))
     return {k: reps[p.name] for k, p in pts.items()}
 
 
 @pytest.mark.timeout(1800)
 def test_examples_compile_without_spills(reports):
-    assert len(reports) == 14
+    assert len(reports) == 19
     for key, rep in reports.items():
         assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (key, rep)
         assert rep["stack_bytes"] == 0, (key, rep)
