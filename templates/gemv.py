@@ -40,6 +40,7 @@ def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
     return out
 
 
+MAX_STAGES = 16  # tensor-core path: ring stages at most
 SMEM_BUDGET = 216 * 1024  # bytes of shared memory one CTA of the tensor-core path may take (H200: 227 KiB)
 
 
@@ -49,7 +50,7 @@ def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
     accumulators stay <= 128 registers). The warps split each K stage into 32-element slices (8 warps for m <= 16,
     else 4: the cross-warp reduction buffer grows with m); the ring takes what the shared-memory budget leaves
-    after that buffer (halved when the grid needs two CTAs per SM), at most 8 stages and no more than K has; RT
+    after that buffer (halved when the grid needs two CTAs per SM), at most MAX_STAGES and no more than K has; RT
     shrinks until the buffer and two stages fit SMEM_BUDGET (the lm_head's 20480 rows)."""
     nt = m // 8
     warps = 8 if m <= 16 else 4
@@ -63,7 +64,7 @@ def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     grid = math.ceil(n / (16 * rt))
     kst = math.ceil(k / (32 * warps))
     budget = SMEM_BUDGET // min(2, math.ceil(grid / SMS))
-    stages = max(2, min(8, kst, (budget - smem(rt, 0)) // (smem(rt, 1) - smem(rt, 0))))
+    stages = max(2, min(MAX_STAGES, kst, (budget - smem(rt, 0)) // (smem(rt, 1) - smem(rt, 0))))
     return warps, rt, stages, grid
 
 

@@ -13,7 +13,7 @@ import torch
 from k3compile import build
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import SMEM_BUDGET, SMS, mma_split, segmented
+from templates.gemv import MAX_STAGES, SMEM_BUDGET, SMS, mma_split, segmented
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -31,7 +31,7 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
             assert c["GRID"] == -(-c["N"] // (16 * c["RT"])), label
             assert c["GRID"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap forces more
             smem = c["WARPS"] * (c["M"] * 16 * c["RT"] * 4 + c["STAGES"] * (16 * c["RT"] + c["M"]) * 64)
-            assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= 8, label
+            assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= MAX_STAGES, label
     assert not T.point(**{**EXAMPLES["k3tp8_b64"], "mma": False}).c["MMA"]  # codegen --batch-invariant
     with pytest.raises(TemplateError, match="mma=True needs"):
         T.point(**{**EXAMPLES["k3tp8_b1"], "mma": True})
@@ -47,7 +47,7 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
         for n, k in shapes:
             warps, rt, stages, grid = mma_split(m, n, k)
             smem = warps * (m * 16 * rt * 4 + stages * (16 * rt + m) * 64)
-            assert smem <= SMEM_BUDGET and 2 <= stages <= 8 and rt * m // 8 <= 32, (m, n, k, rt, stages)
+            assert smem <= SMEM_BUDGET and 2 <= stages <= MAX_STAGES and rt * m // 8 <= 32, (m, n, k, rt, stages)
             assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
 
 
