@@ -131,22 +131,9 @@ def _floor_us(lowered, model, state, ids, tp: int, bucket: int, context: int, ba
 ROUNDS = 5  # timing rounds per figure (the median round counts)
 
 
-def _heat_gpu(seconds: float = 0.25) -> None:
-    """Keep the GPU busy with bf16 matmuls for about ``seconds``: after building a model or compiling (seconds
-    of host work, the GPU idle), the first row of a run measured 40 to 140 us per step slower on the H200
-    while its clocks came back up. Decode steps cannot do this warm-up: each advances the state."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(8):
-            a = torch.mm(a, a).clamp_(-1, 1)
-        torch.cuda.synchronize()
-
-
 def _time_steps(fn, steps: int) -> float:
-    """µs per step: ``steps`` steps after 3 warm-up steps (the GPU kept busy just before them), in ROUNDS
-    rounds of about steps / ROUNDS; the median round's mean."""
-    _heat_gpu()
+    """µs per step: ``steps`` steps after 3 warm-up steps, in ROUNDS rounds of about steps / ROUNDS; the
+    median round's mean."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
