@@ -10,10 +10,11 @@ run the real check, the capture a sync-free one (``_unchecked_inputs``), as k3co
 
 For every (context, bucket) the same model, state and tokens run through each system; each figure comes
 from ``--steps`` consecutive decode steps (the state advances, as in serving) after warm-up, timed between
-CUDA events in ROUNDS rounds: the median round's mean (one slow round -- a clock ramp, another process --
-would otherwise move a per-layer difference T(n) - T(n-1) by 100 us). Beside it: the HBM floor of the step (bytes the plan says must move -- weights, the
-experts the batch selects, the state read and written -- over the copy bandwidth measured in the same
-run), kernel launches per step (counted by the profiler), and GPU memory beyond weights and state.
+CUDA events in ROUNDS rounds: the median round's mean (one slow round, e.g. host gaps, would otherwise move
+a per-layer difference T(n) - T(n-1) by up to 100 us). Beside it: the HBM floor of the step (bytes the plan
+says must move -- weights, the experts the batch selects, the state read and written -- over the copy
+bandwidth measured in the same run), kernel launches per step (counted by the profiler), and GPU memory
+beyond weights and state.
 
 Per layer type: the step time of a model with the first ``n`` layers minus that with ``n - 1`` layers is
 the n-th layer's time (``--layers 1,2,4`` on a slice: layer 2 is KDA + MoE, layer 4 gated MLA + MoE).
