@@ -55,6 +55,28 @@ def test_reference_runtime_matches_eager_op_per_node_and_runs_every_planned_kern
     assert runtime.eager_fallbacks() == {}
 
 
+def test_router_selection_gets_its_own_kernel_from_bucket_16(mini_model):
+    """From ROUTE_MIN_BUCKET the routed experts are moe_route -> moe_gate_up (ids in) -> moe_down_combine: the
+    binding feeds them what the eager op gets (shadow check) and the counters show all three ran per layer."""
+    from k3compile.templates.moe_experts import ROUTE_MIN_BUCKET
+
+    runtime.reset_launch_counts()
+    step = _compile(mini_model, (ROUTE_MIN_BUCKET,), shadow=True)
+    with one_thread():
+        step(torch.arange(1, 1 + 10), mini_model.new_state(ROUTE_MIN_BUCKET, 16))  # 10 rows, padded to the bucket
+    d = step.dispatchers[-1]
+    table = d.bound[ROUTE_MIN_BUCKET].table()
+    assert "Binding[routed_experts -> moe_route_" in table, table
+    errors = runtime.shadow_errors()
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= SHADOW_TOL, f"{worst}: kernels differ from the eager op by {errors[worst]:.3g}"
+    counts = runtime.launch_counts()
+    assert counts == dict(d.bound[ROUTE_MIN_BUCKET].planned()) and d.coverage()["problems"] == []
+    per_kind = {kind: sum(n for k, n in counts.items() if k.startswith(kind + "_"))
+                for kind in ("moe_route", "moe_gate_up", "moe_down_combine")}
+    assert len(set(per_kind.values())) == 1 and per_kind["moe_route"] > 0, per_kind
+
+
 def test_bindings_name_their_kernels(mini_model):
     step = _compile(mini_model, (2,))
     with one_thread():
