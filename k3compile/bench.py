@@ -9,9 +9,10 @@ run the real check, the capture a sync-free one (``_unchecked_inputs``), as k3co
 ``check_inputs=False``. A row that cannot run carries the failure (and the line that raised it) as its note.
 
 For every (context, bucket) the same model, state and tokens run through each system; each figure comes
-from ``--steps`` consecutive decode steps (the state advances, as in serving) after warm-up, timed between
-CUDA events in ROUNDS rounds: the median round's mean (one slow round, e.g. host gaps, would otherwise move
-a per-layer difference T(n) - T(n-1) by up to 100 us). Beside it: the HBM floor of the step (bytes the plan
+from ``--steps`` consecutive decode steps (the state advances, as in serving) after WARMUP_S seconds of
+warm-up steps (the state's context reset after them), timed between CUDA events in ROUNDS rounds: the median
+round's mean (one slow round, e.g. host gaps, would otherwise move a per-layer difference T(n) - T(n-1) by up
+to 100 us). Beside it: the HBM floor of the step (bytes the plan
 says must move -- weights, the experts the batch selects, the state read and written -- over the copy
 bandwidth measured in the same run), kernel launches per step (counted by the profiler), and GPU memory
 beyond weights and state.
@@ -130,14 +131,23 @@ def _floor_us(lowered, model, state, ids, tp: int, bucket: int, context: int, ba
 
 
 ROUNDS = 5  # timing rounds per figure (the median round counts)
+WARMUP_S = 0.2  # busy warm-up before a figure's rounds, seconds of steps (at least 3 steps)
 
 
-def _time_steps(fn, steps: int) -> float:
-    """µs per step: ``steps`` steps after 3 warm-up steps, in ROUNDS rounds of about steps / ROUNDS; the
-    median round's mean."""
-    for _ in range(3):
+def _time_steps(fn, steps: int, reset=None, room: int = 3) -> float:
+    """µs per step: ``steps`` steps in ROUNDS rounds of about steps / ROUNDS, the median round's mean, after a
+    warm-up of WARMUP_S seconds of steps (at least 3, at most ``room``: the state's free context) and then
+    ``reset()`` (the state back to its context). Without the busy warm-up the first figure after a quiet
+    period carried 40-160 µs of idle gaps per step while its kernels took their usual time."""
+    t0, n = time.perf_counter(), 0
+    while n < 3 or (n < room and time.perf_counter() - t0 < WARMUP_S):
         fn()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()  # wall time counts GPU work, not queued launches
     torch.cuda.synchronize()
+    if reset:
+        reset()
     per_round = [steps // ROUNDS + (i < steps % ROUNDS) for i in range(min(ROUNDS, steps))]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(len(per_round) + 1)]
     events[0].record()
@@ -252,7 +262,8 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                                                        ctx, bw)
                         row.floor_us = floors[ctx, b]
                         state.lengths.fill_(ctx)
-                        row.us_per_step = _time_steps(fn, steps)
+                        row.us_per_step = _time_steps(fn, steps, reset=lambda: state.lengths.fill_(ctx),
+                                                      room=cap - ctx - 8)
                         row.launches, row.kernels = _profile_kernels(fn)
                         if system.startswith("k3compile"):
                             from . import runtime
@@ -444,16 +455,36 @@ def bf16_experts(model):
         copies.clear()
 
 
+HOST_BOUND = 1.15  # a row whose step takes this much longer than its kernels keep the GPU busy is host-bound
+
+
+def busy_us(r: Row) -> float | None:
+    """GPU busy µs per step: the sum of the kernels' exposed times (the profiler's timeline without the gaps
+    between kernels); None for a row without a kernel profile."""
+    return sum(k["exposed_us"] for k in r.kernels) if r.kernels else None
+
+
+def host_bound(r: Row) -> bool:
+    """The step's wall time exceeds its GPU busy time by more than HOST_BOUND: the GPU waited for the host
+    (Python, graph launches) between steps, so the wall time measures the host, not the kernels."""
+    b = busy_us(r)
+    return b is not None and r.us_per_step > HOST_BOUND * b
+
+
 def per_layer(rows: list[Row]) -> list[dict]:
-    """n-th layer time = T(first n layers) - T(first n-1 layers), same system, bucket, context."""
+    """n-th layer time = T(first n layers) - T(first n-1 layers), same system, bucket, context: ``us`` from the
+    steps' wall times, ``busy_us`` from their GPU busy times (both rows profiled), and ``host_bound`` when
+    either row's wall time is host-bound, where only ``busy_us`` measures the layer."""
     by = {(r.layers, r.context, r.bucket, r.system): r for r in rows}
     out = []
     for (n, ctx, b, s), r in sorted(by.items()):
         prev = by.get((n - 1, ctx, b, s))
         if prev is None:
             continue
+        busy = (busy_us(r) - busy_us(prev)) if r.kernels and prev.kernels else None
         out.append({"layer": n, "context": ctx, "bucket": b, "system": s,
-                    "us": r.us_per_step - prev.us_per_step, "floor_us": r.floor_us - prev.floor_us,
+                    "us": r.us_per_step - prev.us_per_step, "busy_us": busy,
+                    "host_bound": host_bound(r) or host_bound(prev), "floor_us": r.floor_us - prev.floor_us,
                     "launches": r.launches - prev.launches})
     return out
 
@@ -483,11 +514,21 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         lines.append(_fmt(Row(**{k: v for k, v in r.items() if k not in ("x_floor", "kernels")})))
     if result["per_layer"]:
-        lines.append("\nper layer (T(n layers) - T(n-1 layers)):")
+        lines.append("\nper layer (T(n layers) - T(n-1 layers); wall, and GPU busy: the kernels' exposed time):")
         for p in result["per_layer"]:
+            busy = p.get("busy_us")
+            gpu = (f"  GPU busy {busy:8.1f} us x{busy / p['floor_us']:5.2f}" if busy is not None else "")
+            flag = "  HOST-BOUND: the wall difference measures the host; use GPU busy" if p.get("host_bound") else ""
             lines.append(f"  layer {p['layer']} ctx {p['context']} b{p['bucket']} {p['system']:<16} {p['us']:8.1f} us "
-                         f"floor {p['floor_us']:7.1f} us  x{p['us'] / p['floor_us']:5.2f}  launches {p['launches']}")
+                         f"floor {p['floor_us']:7.1f} us  x{p['us'] / p['floor_us']:5.2f}{gpu}  launches "
+                         f"{p['launches']}{flag}")
     return "\n".join(lines)
+
+
+def rows_of(result: dict) -> list[Row]:
+    """The Row objects of a bench JSON (the inverse of _result's rows)."""
+    names = {f.name for f in dataclasses.fields(Row)}
+    return [Row(**{k: v for k, v in r.items() if k in names}) for r in result["rows"]]
 
 
 def main(args) -> int:

@@ -106,10 +106,13 @@ def cmd_bench(args) -> int:
 def cmd_bench_plot(args) -> int:
     import json
 
-    from .bench import plot
+    from .bench import per_layer, plot, rows_of, table
 
     with open(args.json) as fh:
-        plot(json.load(fh), args.png, layers=args.layers, context=args.context)
+        res = json.load(fh)
+    res["per_layer"] = per_layer(rows_of(res))  # recomputed: a JSON from an older bench gets the GPU busy column
+    print(table(res))
+    plot(res, args.png, layers=args.layers, context=args.context)
     print(f"wrote {args.png}")
     return 0
 
@@ -178,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--only", help="only kernels whose example label or name contains this")
     bk.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     bk.set_defaults(func=cmd_bench_kernels)
-    bp = sub.add_parser("bench-plot", help="plot a `k3compile bench` JSON (no GPU needed)")
+    bp = sub.add_parser("bench-plot", help="table and plot of a `k3compile bench` JSON (no GPU needed)")
     bp.add_argument("json", help="bench JSON")
     bp.add_argument("png", help="output PNG")
     bp.add_argument("--layers", type=int, help="depth to plot (default: the deepest)")

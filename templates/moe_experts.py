@@ -26,8 +26,11 @@ _SITU = {"beta": 4.0, "linear_beta": 25.0}
 _BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
-DOWN_WARPS = 4  # moe_down_combine warps per CTA (one CTA per 16 output rows)
+DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 where 8 leave too little smem)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
+WIDE_WARPS = 12  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
+# 16 need more than the 128 registers a thread then has)
+XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in shared memory up to this size
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
@@ -50,6 +53,20 @@ def _expected_experts(c) -> float:
     """Expected distinct experts among M tokens x TOPK uniform picks (for bytes())."""
     e, k, m = c["E"], c["TOPK"], c["M"]
     return e * (1 - (1 - k / e) ** m)
+
+
+def _balanced_split(tasks: int, slots: int, steps: int) -> int:
+    """KSPLIT (1, 2 or 4 warps per task, each keeping at least 4 k-steps) whose tasks x KSPLIT warp-tasks best
+    fill their last round over ``slots`` warps; a smaller split unless a larger one fills 2 % more."""
+    best_fill, best = 0.0, 1
+    for k in (1, 2, 4):
+        if k > 1 and steps < 4 * k:
+            break
+        w = tasks * k
+        fill = w / (-(-w // slots) * slots)
+        if fill > best_fill + 0.02:
+            best_fill, best = fill, k
+    return best
 
 
 def _random_mx(gen, e, rows, cols):
@@ -120,30 +137,39 @@ class MoeGateUp(_RoutedExperts):
                               f"the intermediate size")
         tasks = min(n_experts, bucket * top_k) * (inter // 16)  # (active expert, row tile) at most
         steps = latent // 128
-        # warps per task: split the reduction (KSPLIT 2 or 4) while there are fewer tasks than warps to run
-        # them (at 3 CTAs per SM), each warp keeping at least 4 k-steps; a warp with a whole task pipelines its
-        # k-steps and needs no shared-memory reduction
-        wpc = GATE_UP_WARPS
+        # Activations: with at most XSTAGE_MAX_BYTES of them (batch <= 8 at K3 shapes) every token's row is staged
+        # in shared memory once per CTA; from batch 2 that is one CTA of WIDE_WARPS per SM (the rows staged once
+        # per SM, and more warps than two 4-warp CTAs to hide the decode's latencies). Larger batches carry
+        # each lane's token block in the cp.async ring with the weights (4-warp CTAs, 2 or 3 per SM).
+        xstage = bucket * latent * 2 <= XSTAGE_MAX_BYTES
+        wide = xstage and bucket > 1
+        wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2))
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
-            ksplit = 1
-            while ksplit < 4 and tasks * 2 * ksplit <= 3 * 132 * wpc and steps >= 8 * ksplit:
-                ksplit *= 2
+            if wide:  # the split that best fills the last round of tasks over the warps (expected experts)
+                ksplit = _balanced_split(round(_expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket}))
+                                         * (inter // 16), 132 * wpc, steps)
+            else:  # split the reduction (KSPLIT 2 or 4) while there are fewer tasks than warps to run them (at 3
+                # CTAs per SM), each warp keeping at least 4 k-steps; a warp with a whole task pipelines its
+                # k-steps and needs no shared-memory reduction
+                ksplit = 1
+                while ksplit < 4 and tasks * 2 * ksplit <= 3 * 132 * wpc and steps >= 8 * ksplit:
+                    ksplit *= 2
         need(steps >= ksplit, f"{self.name}: ksplit={ksplit} needs latent >= {128 * ksplit} (a k-step per warp)")
         # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
-        # share of the steps, at most 8); a stage is 32 lanes x (8 x 16 + 4 x 4) bytes (weights, activations,
-        # scales; the activations only with more than one token). With whole tasks, 3 CTAs per SM or 2 with a
-        # deeper ring: whichever keeps more k-steps in flight per SM (the one being decoded does not count).
+        # share of the steps, at most 8); a stage is 32 lanes x ((4 or 8) x 16 + 4 x 4) bytes (weights, the
+        # activations unless staged, scales). With 4-warp CTAs, 3 per SM or 2 with a deeper ring: whichever
+        # keeps more k-steps in flight per SM (the one being decoded does not count).
         p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
         fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, padding
-        fixed += latent * 2 if bucket == 1 else 16  # one token's activations are staged once per CTA
-        per_stage = wpc * 32 * ((8 if bucket > 1 else 4) * 16 + 4 * 4)
+        fixed += bucket * (latent * 2 + 16) if xstage else 16  # the staged rows (16 bytes of padding each)
+        per_stage = wpc * 32 * ((4 if xstage else 8) * 16 + 4 * 4)
         my_steps = -(-steps // ksplit)
         options = []
-        for occ in (3, 2):
+        for occ in occs:
             room = (SMEM_PER_SM // occ - 1024 - fixed) // per_stage
             stages = min(8, my_steps, room)
             if room >= min(2, my_steps):
-                options.append((occ * (stages - 1), occ, stages))
+                options.append((occ * wpc * (stages - 1), occ, stages))
         need(bool(options), f"{self.name}: bucket {bucket} x top_k {top_k} leaves shared memory for fewer than 2 "
                             f"k-steps in flight per warp; use a smaller bucket")
         _, occ, stages = max(options)
@@ -162,6 +188,8 @@ class MoeGateUp(_RoutedExperts):
                 const("CTAS", ctas, "persistent CTAs (tasks are strided over their task slots)"),
                 const("OCC", occ, "CTAs per SM (register budget: 65536 / (OCC * THREADS))"),
                 const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)"),
+                const("XSTAGE", xstage, "every token's activations staged in shared memory once per CTA (else "
+                                        "they travel in the ring)"),
                 const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
                                                             f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA")]
 
@@ -307,12 +335,17 @@ class MoeDownCombine(_RoutedExperts):
         need(latent % 16 == 0, f"{self.name}: latent={latent} must be a multiple of 16 (MMA tiles of 16 output "
                                f"rows); pad the latent size")
         # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
-        # (a stage: 32 lanes x per k-step two 16-byte weight chunks and, when I/32 % 4 == 0, two scale words)
-        warps, nb = DOWN_WARPS, inter // 32
+        # (a stage: 32 lanes x per k-step two 16-byte weight chunks and, when I/32 % 4 == 0, two scale words);
+        # DOWN_WARPS warps per CTA while that leaves 2 stages each, else 4 (batch 64 at K3 shapes, whose sPart
+        # takes 32 KB)
+        nb = inter // 32
         steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
-        fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * warps) + 2 * p * 16 + 1024  # grouping, sPart, padding
-        per_stage = warps * 32 * steps * 2 * (16 + (4 if nb % 4 == 0 else 0))
-        room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
+        for warps in (DOWN_WARPS, 4):
+            fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * warps) + 2 * p * 16 + 1024  # grouping, sPart, padding
+            per_stage = warps * 32 * steps * 2 * (16 + (4 if nb % 4 == 0 else 0))
+            room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
+            if room >= 2:
+                break
         need(room >= 1, f"{self.name}: bucket {bucket} x top_k {top_k} leaves no shared memory for the weight ring; "
                         f"use a smaller bucket")
         stages = min(4, room, -(-maxa // warps))

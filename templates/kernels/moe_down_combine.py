@@ -15,8 +15,13 @@ step with fewer than 4 blocks leaves the other lanes' operands zero). A warp's e
 ``cp.async`` ring of STAGES experts in shared memory (16-byte weight copies and, when I/32 is a multiple of
 4, the scale words; a lane reads back only what it copied itself, so no barrier), so STAGES - 1 experts are
 in flight while one is computed; the expert after the ring's last is prefetched into L2 (one bulk
-prefetch), and a column's activations for the whole reduction are loaded at once. Decode as in moe_gate_up
-(moe_lib.block_mma).
+prefetch). A k-step at a time: the column's activations (global, L2-resident), the step's weights from the
+ring, the decode and MMA, so a thread needs at most 128 registers and two CTAs of WARPS warps share an SM
+(8, or 4 where shared memory leaves 8 warps fewer than 2 stages: 16 warps hide the loads' and MMAs'
+latencies; with 4 warps and every step's operands in registers, 252 of them, the SM was idle 46 % of its
+cycles). Decode as in moe_gate_up (moe_lib.block_mma), the second scale factor predicated per lane:
+moe_gate_up's form (no second factor, a rerun where a byte exceeds 128) measured slower here, 243 against
+173 us at batch 64 inside the layer with no rerun taken (cause not established).
 Each (token, slot) result, rounded to bf16, is stored once in shared memory; after a barrier every
 (token, row) sums its TOPK slots in slot order with the routing weights: the combine happens in the CTA,
 deterministic, no atomics, no workspace. Each weight byte of an active expert is read by one CTA, once.
@@ -58,7 +63,8 @@ class Kernel:
         mW2q = cute.recast_tensor(mW2, Uint32)  # [E, L, I/8] 8 codes per word
         mS2q = cute.recast_tensor(mS2, Uint32) if SCALE_RING else mS2  # [E, L, NB/4]: a k-step's 4 scales per word
         self.kernel(mHq, mIds, mWts, mW2q, mS2q, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
-                                                           stream=stream, use_pdl=True)
+                                                           stream=stream, use_pdl=True, min_blocks_per_mp=2,
+                                                           preferred_smem_carveout=100)
 
     @cute.jit
     def prefetch_expert(self, a, n_active, sAct: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
@@ -89,23 +95,22 @@ class Kernel:
                               cute.local_tile(sS[2 * s + r, None], (1,), (lane,)))
 
     @cute.jit
-    def read_expert(self, mS2: cute.Tensor, e, row0, g, t, sW: cute.Tensor, sS: cute.Tensor, lane, rW: cute.Tensor,
-                    rS: cute.Tensor):
-        """This lane's weights and scale bytes of expert e from its landed ring stage (zero operands past I;
-        without SCALE_RING the scale bytes come from global memory)."""
-        for s in cutlass.range_constexpr(STEPS):
-            blk = 4 * s + t
-            for r in cutlass.range_constexpr(2):
-                if blk < NB:
-                    cute.autovec_copy(sW[2 * s + r, lane, None], cute.local_tile(rW, (4,), (2 * s + r,)))
-                    if cutlass.const_expr(SCALE_RING):
-                        rS[2 * s + r] = (sS[2 * s + r, lane] >> Uint32(8 * t)) & Uint32(0xFF)
-                    else:
-                        rS[2 * s + r] = Uint32(mS2[e, row0 + g + 8 * r, blk])
-                else:  # past I in a partial last step: zero operands
-                    for i in cutlass.range_constexpr(4):
-                        rW[8 * s + 4 * r + i] = Uint32(0)
-                    rS[2 * s + r] = Uint32(127)
+    def read_step(self, mS2: cute.Tensor, e, row0, g, t, s: cutlass.Constexpr, sW: cute.Tensor, sS: cute.Tensor,
+                  lane, rW: cute.Tensor, rS: cute.Tensor):
+        """This lane's weights and scale bytes of k-step s of expert e from its landed ring stage (zero operands
+        past I; without SCALE_RING the scale bytes come from global memory)."""
+        blk = 4 * s + t
+        for r in cutlass.range_constexpr(2):
+            if blk < NB:
+                cute.autovec_copy(sW[2 * s + r, lane, None], cute.local_tile(rW, (4,), (r,)))
+                if cutlass.const_expr(SCALE_RING):
+                    rS[r] = (sS[2 * s + r, lane] >> Uint32(8 * t)) & Uint32(0xFF)
+                else:
+                    rS[r] = Uint32(mS2[e, row0 + g + 8 * r, blk])
+            else:  # past I in a partial last step: zero operands
+                for i in cutlass.range_constexpr(4):
+                    rW[4 * r + i] = Uint32(0)
+                rS[r] = Uint32(127)
 
     @cute.kernel
     def kernel(self, mHq: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW2q: cute.Tensor,
@@ -134,9 +139,9 @@ class Kernel:
 
         g = lane // 4  # MMA rows g and g + 8, and the token column of this lane
         t = lane % 4  # which block of a k-step this lane loads
-        rW = cute.make_rmem_tensor((8 * STEPS,), Uint32)  # per step: rows g, g + 8 (4 words each)
-        rS = cute.make_rmem_tensor((2 * STEPS,), Uint32)
-        rX = cute.make_rmem_tensor((16 * STEPS,), Uint32)  # the whole reduction's activations of the lane's column
+        rW = cute.make_rmem_tensor((8,), Uint32)  # one k-step: rows g, g + 8 (4 words each)
+        rS = cute.make_rmem_tensor((2,), Uint32)
+        rX = cute.make_rmem_tensor((16,), Uint32)  # one k-step's activations of the lane's column
         acc = cute.make_rmem_tensor((4,), Float32)
         n_mine = (n_active - warp + WARPS - 1) // WARPS  # this warp's experts: warp, warp + WARPS, ...
         # a ring of STAGES experts in flight: one cp.async group per expert (empty past the warp's last)
@@ -158,22 +163,19 @@ class Kernel:
             e = sAct[a]
             start = sStart[a]
             num = sNum[a]
-            self.read_expert(mS2, e, row0, g, t, sW[warp, k % STAGES, None, None, None], sS[warp, k % STAGES, None,
-                                                                                             None], lane, rW, rS)
             for nt in cutlass.range(0, num, 8, unroll=1):
                 col = nt + g
                 pair = sPairs[start + cutlass.min(col, num - 1)]
                 acc.fill(0.0)
-                for s in cutlass.range_constexpr(STEPS):  # every step's activations in flight at once
+                for s in cutlass.range_constexpr(STEPS):  # one k-step at a time (registers: 16 warps per SM)
                     blk = 4 * s + t
                     if (col < num) & (blk < NB):
-                        cute.autovec_copy(cute.local_tile(mHq[pair // TOPK, pair % TOPK, None], (16,), (blk,)),
-                                          cute.local_tile(rX, (16,), (s,)))
+                        cute.autovec_copy(cute.local_tile(mHq[pair // TOPK, pair % TOPK, None], (16,), (blk,)), rX)
                     else:
-                        for i in cutlass.range_constexpr(16):
-                            rX[16 * s + i] = Uint32(0)
-                for s in cutlass.range_constexpr(STEPS):
-                    block_mma(rW, 8 * s, rS[2 * s], rS[2 * s + 1], cute.local_tile(rX, (16,), (s,)), acc, 0)
+                        rX.fill(0)
+                    self.read_step(mS2, e, row0, g, t, s, sW[warp, k % STAGES, None, None, None],
+                                   sS[warp, k % STAGES, None, None], lane, rW, rS)
+                    block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, None)
                 for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                     cc = nt + 2 * t + i % 2
                     if cc < num:

@@ -28,14 +28,18 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    k-step a quad (lanes 4g..4g+3) covers 4 MX blocks, lane t of the quad loading block 4*step + t of rows
    g and g+8, so every weight byte is loaded by one lane, coalesced. The loads are ``cp.async`` copies into
    a per-warp ring of STAGES k-steps in shared memory (16-byte weight copies, the 4-byte word of the four
-   blocks' scales and, with more than one token, the step's activations of the lane's token; one token's
-   activations are staged once per CTA instead): STAGES - 1 steps are in flight while one is decoded,
+   blocks' scales and, without XSTAGE, the step's activations of the lane's token; with XSTAGE, up to
+   64 KB of activations, every token's row is staged in shared memory once per CTA instead: batch 2 to 8 at
+   K3 shapes, one CTA of 12 warps per SM): STAGES - 1 steps are in flight while one is decoded,
    without holding registers (register-held double buffering left too few bytes in flight at batch 1). A
    lane reads back only what it copied itself, so the ring needs no barrier. The k order inside an MMA is
    permuted (codes j and j+4 of a word form one bf16 pair; the activations are paired the same way with
    byte permutes), which a dot product allows. Decode (moe_lib.block_mma): two shifts and a LOP3 per pair
    give e2m1 * 2**-126 as bf16 (subnormals exact), one packed bf16 multiply by 2**(s-1) makes it the
-   dequantised weight (a second one when s > 128), so every E8M0 byte is exact. The epilogue rounds gate
+   dequantised weight; a second multiply by 2**(s-128) is needed when s > 128 (block scales of 4 and more):
+   the k-steps run without it and, if any lane of the warp met such a byte, the task's k-steps run again with
+   it (rare; a branch inside the step is predicated by the compiler, both forms issuing on every step: 64 of
+   536 instructions). So every E8M0 byte is exact. The epilogue rounds gate
    and up to bf16, applies SiTU-GLU and writes h for each (token, slot) column.
 """
 
@@ -45,7 +49,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
 from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, routing_weight,
-                                                 select_topk, sigmoid)
+                                                 scale_big, select_topk, sigmoid)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -63,6 +67,7 @@ KSPLIT = 2  # warps sharing one task (they split its reduction); WARPS / KSPLIT 
 CTAS = 16  # persistent CTAs (tasks are strided over their task slots)
 OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
+XSTAGE = True  # every token's activations staged in shared memory once per CTA (else they travel in the ring)
 ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
 # <<< constants
 
@@ -74,8 +79,9 @@ P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
 EPL = (E + 31) // 32  # router keys per lane (selection)
-X_RING = M > 1  # activations travel in the ring with the weights; with one token it is staged once per CTA
+X_RING = not XSTAGE  # activations travel in the ring with the weights
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
+XROW = L // 2 + 4  # words per staged token row (16 bytes of padding: rows start 4 banks apart)
 
 
 def _situ(gate, up):
@@ -162,10 +168,10 @@ class Kernel:
                     cute.copy(big, cute.local_tile(mZq[tok, None], (4,), (4 * blk + q,)), sW[4 + q, lane, None])
 
     @cute.jit
-    def read_step(self, sW: cute.Tensor, sS: cute.Tensor, sX: cute.Tensor, lane, t, valid, blk, rW: cute.Tensor,
+    def read_step(self, sW: cute.Tensor, sS: cute.Tensor, sX: cute.Tensor, lane, t, tok, valid, blk, rW: cute.Tensor,
                   rS: cute.Tensor, rX: cute.Tensor):
-        """This lane's weights, scale bytes and activations (block blk; zero for a column past the group) of one
-        landed ring stage, into registers (the activations from sX, the staged token, when M == 1)."""
+        """This lane's weights, scale bytes and activations (block blk of token tok; zero for a column past the
+        group) of one landed ring stage, into registers (the activations from sX, the staged rows, with XSTAGE)."""
         for r in cutlass.range_constexpr(4):
             cute.autovec_copy(sW[r, lane, None], cute.local_tile(rW, (4,), (r,)))
             rS[r] = (sS[r, lane] >> Uint32(8 * t)) & Uint32(0xFF)
@@ -174,9 +180,38 @@ class Kernel:
                 for q in cutlass.range_constexpr(4):
                     cute.autovec_copy(sW[4 + q, lane, None], cute.local_tile(rX, (4,), (q,)))
             else:
-                cute.autovec_copy(cute.local_tile(sX, (16,), (blk,)), rX)
+                cute.autovec_copy(cute.local_tile(sX[tok, None], (16,), (blk,)), rX)
         else:
             rX.fill(0)
+
+    @cute.jit
+    def stream(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
+               mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, tok, valid, ks, n_my, sW: cute.Tensor,
+               sS: cute.Tensor, sX: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
+               acc: cute.Tensor) -> Int32:
+        """This warp's k-steps ks, ks + KSPLIT, ... of one task through its ring of STAGES k-steps (one
+        cp.async group per step, empty past the end), accumulated into acc; block_mma's second factor when
+        ``second``. Returns 1 when a scale byte of the lane exceeded 128 (the result then needs ``second``)."""
+        for i in cutlass.range_constexpr(STAGES - 1):
+            if i < n_my:
+                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + i * KSPLIT,
+                                sW[i, None, None, None], sS[i, None, None], lane)
+            cute.arch.cp_async_commit_group()
+        big = Int32(0)
+        for i in cutlass.range(n_my, unroll=1):
+            nxt = i + STAGES - 1
+            if nxt < n_my:
+                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + nxt * KSPLIT,
+                                sW[nxt % STAGES, None, None, None], sS[nxt % STAGES, None, None], lane)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
+            self.read_step(sW[i % STAGES, None, None, None], sS[i % STAGES, None, None], sX, lane, t, tok, valid,
+                           4 * (ks + i * KSPLIT) + t, rW, rS, rX)
+            if cutlass.const_expr(not second):
+                big = big | scale_big(rS[0], rS[1], rS[2], rS[3])
+            block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second)  # gate: W1 rows g, g + 8
+            block_mma(rW, 8, rS[2], rS[3], rX, acc, 4, second)  # up: W3 rows g, g + 8
+        return big
 
     @cute.kernel
     def kernel(self, mZq: cute.Tensor, mLogits, mBias, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
@@ -191,7 +226,8 @@ class Kernel:
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, XCH, 32, 4),
                                                            stride=(STAGES * XCH * 128, XCH * 128, 128, 4, 1)), 16)
-        sX = smem.allocate_tensor(Uint32, cute.make_layout((1 if X_RING else L // 2,)), 16)  # the token (M == 1)
+        sX = smem.allocate_tensor(Uint32, cute.make_layout((1, 4) if X_RING else (M, XROW), stride=(XROW, 1)),
+                                  16)  # the staged token rows (XSTAGE)
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 4, 32), stride=(STAGES * 128, 128, 32, 1)),
                                   16)
 
@@ -210,9 +246,6 @@ class Kernel:
                     rBias[i] = mBias[lane + 32 * i]
             cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
-            if cutlass.const_expr(not X_RING):  # stage the token's activations (visible after group_pairs' barriers)
-                for v in cutlass.range(tid, L // 8, THREADS, unroll=1):
-                    cute.autovec_copy(cute.local_tile(mZq[0, None], (4,), (v,)), cute.local_tile(sX, (4,), (v,)))
 
             # each warp's next token's logits are loaded while it selects the current one
             rLog = cute.make_rmem_tensor((EPL,), Float32)
@@ -222,6 +255,11 @@ class Kernel:
                 rCur.store(rLog.load())
                 self.load_logits(mLogits, rLog, lane, m + WARPS)
                 self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
+        if cutlass.const_expr(XSTAGE):  # stage the tokens' activations (visible after group_pairs' barriers)
+            for v in cutlass.range(tid, M * (L // 8), THREADS, unroll=1):
+                m = v // (L // 8)
+                c = v % (L // 8)
+                cute.autovec_copy(cute.local_tile(mZq[m, None], (4,), (c,)), cute.local_tile(sX[m, None], (4,), (c,)))
         cute.arch.sync_threads()
         n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
 
@@ -244,24 +282,14 @@ class Kernel:
                 col = nt + g
                 tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
                 acc.fill(0.0)
-                # a ring of STAGES k-steps in flight: one cp.async group per step (empty past the end)
-                for i in cutlass.range_constexpr(STAGES - 1):
-                    if i < n_my:
-                        self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks + i * KSPLIT,
-                                        sW[warp, i, None, None, None], sS[warp, i, None, None], lane)
-                    cute.arch.cp_async_commit_group()
-                for i in cutlass.range(n_my, unroll=1):
-                    nxt = i + STAGES - 1
-                    if nxt < n_my:
-                        self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks + nxt * KSPLIT,
-                                        sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None],
-                                        lane)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
-                    self.read_step(sW[warp, i % STAGES, None, None, None], sS[warp, i % STAGES, None, None], sX, lane,
-                                   t, col < num, 4 * (ks + i * KSPLIT) + t, rW, rS, rX)
-                    block_mma(rW, 0, rS[0], rS[1], rX, acc, 0)  # gate: W1 rows g, g + 8
-                    block_mma(rW, 8, rS[2], rS[3], rX, acc, 4)  # up: W3 rows g, g + 8
+                big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks, n_my,
+                                  sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
+                                  acc)
+                if cute.arch.vote_any_sync(big != Int32(0)):  # a scale byte > 128: again, exactly (rare)
+                    acc.fill(0.0)
+                    self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks, n_my,
+                                sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
+                                acc)
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                         cc = nt + 2 * t + i % 2

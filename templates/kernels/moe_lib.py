@@ -172,18 +172,32 @@ def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPair
     return n_active
 
 
+def scale_big(*scales):
+    """Whether one of these E8M0 bytes exceeds 128: its block needs block_mma's second factor."""
+    big = scales[0] > Uint32(128)
+    for s in scales[1:]:
+        big = big | (s > Uint32(128))
+    return Int32(cutlass.select_(big, Int32(1), Int32(0)))
+
+
 @cute.jit
 def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, sg, sh, rX: cute.Tensor, acc: cute.Tensor,
-              a0: cutlass.Constexpr):
+              a0: cutlass.Constexpr, second: cutlass.Constexpr):
     """One MX block of 16 weight rows times 8 activation columns, accumulated into acc[a0 : a0 + 4] (the
     m16n8 C fragment): rW[w0 : w0 + 4] and rW[w0 + 4 : w0 + 8] are this lane's block of rows g and g + 8
     (32 codes each), sg / sh their E8M0 scale bytes, rX[16] the same 32 activations (bf16 pairs) of this
     lane's column. Codes j and j + 4 of a word form one bf16 pair (decode_e2m1x8_sub) and the activations
     are paired the same way, a permutation of K inside the MMA; the scale is applied to the weights before
-    the MMA (the four lanes of a quad hold different blocks)."""
+    the MMA (the four lanes of a quad hold different blocks).
+
+    ``second`` (compile time) is the second factor 2**max(s - 128, 0): None applies it where the lane's byte
+    exceeds 128 (predicated: the 8 products per word issue on every call, switched off or not); True applies
+    it always; False never, exact only for scale bytes <= 128 (the usual case: a block's absmax below 12).
+    moe_gate_up runs False and, when scale_big saw a larger byte in any lane of the warp, runs the task again
+    with True, in a loop: a branch between the two forms inside one k-step is if-converted by the compiler,
+    both forms issuing on every step (the False form's k-step: 407 instructions, None's 536)."""
     fg = scale_bf16x2(sg)
     fh = scale_bf16x2(sh)
-    big = cutlass.max(sg, sh) > Uint32(128)
     for wi in cutlass.range_constexpr(4):  # word wi of the block: codes 8wi .. 8wi+7
         xb = [pair_lo4(rX[4 * wi], rX[4 * wi + 2]), pair_hi4(rX[4 * wi], rX[4 * wi + 2]),
               pair_lo4(rX[4 * wi + 1], rX[4 * wi + 3]), pair_hi4(rX[4 * wi + 1], rX[4 * wi + 3])]
@@ -192,7 +206,12 @@ def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, sg, sh, rX: cute.Tensor, a
             dec[j] = bf16x2_mul(w, fg[0])
         for j, w in enumerate(decode_e2m1x8_sub(rW[w0 + 4 + wi])):
             dec[4 + j] = bf16x2_mul(w, fh[0])
-        if big:  # a scale byte > 128 in this block: the second factor (rarely taken)
+        if cutlass.const_expr(second is None):  # per lane: the second product predicated on the lane's bytes
+            if cutlass.max(sg, sh) > Uint32(128):
+                for j in cutlass.range_constexpr(4):
+                    dec[j] = bf16x2_mul(dec[j], fg[1])
+                    dec[4 + j] = bf16x2_mul(dec[4 + j], fh[1])
+        elif cutlass.const_expr(second):
             for j in cutlass.range_constexpr(4):
                 dec[j] = bf16x2_mul(dec[j], fg[1])
                 dec[4 + j] = bf16x2_mul(dec[4 + j], fh[1])

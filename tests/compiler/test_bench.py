@@ -1,6 +1,7 @@
 """``k3compile bench`` pieces that need no GPU: per-layer differencing, the plot, the no-GPU error, the
 system names, the bf16-experts baseline's patch and the floor when no k3compile row gives it."""
 
+import dataclasses
 import inspect
 import json
 import os
@@ -27,6 +28,40 @@ def test_per_layer_time_is_the_difference_of_depths():
     assert set(got) == {(2, "k3compile"), (3, "k3compile")}  # eager has no depth-1 row to subtract
     assert got[2, "k3compile"]["us"] == 150.0 and got[2, "k3compile"]["floor_us"] == 60.0
     assert got[3, "k3compile"]["launches"] == 13
+
+
+def test_per_layer_gpu_busy_time_and_host_bound_rows():
+    # layer 1's step is host-bound (wall 320 us, its kernels busy 206 us): the wall difference says 30 us for
+    # layer 2, the busy difference the layer's real 114 us
+    def prof(layers, wall, busy):
+        r = _row(layers, "k3compile", wall, 60.0 * layers)
+        r.kernels = [{"name": "a", "calls": 1.0, "us": busy, "exposed_us": busy - 6.0},
+                     {"name": "b", "calls": 2.0, "us": 9.0, "exposed_us": 6.0}]
+        return r
+
+    l1, l2 = prof(1, 320.0, 206.0), prof(2, 350.0, 320.0)
+    assert bench.busy_us(l1) == 206.0 and bench.host_bound(l1) and not bench.host_bound(l2)
+    (p,) = bench.per_layer([l1, l2])
+    assert p["us"] == 30.0 and p["busy_us"] == 114.0 and p["host_bound"]
+    text = bench.table({"rows": [dataclasses.asdict(r) for r in (l1, l2)], "per_layer": [p]})
+    assert "GPU busy    114.0 us x 1.90" in text and "HOST-BOUND" in text
+    # rows without a kernel profile (eager baselines) have no busy figure and are never flagged
+    (q,) = bench.per_layer([_row(1, "eager", 900.0, 40.0), _row(2, "eager", 1800.0, 100.0)])
+    assert q["busy_us"] is None and not q["host_bound"]
+    assert "GPU busy  " not in bench.table({"rows": [], "per_layer": [q]})
+    assert [dataclasses.asdict(r) for r in bench.rows_of({"rows": [dataclasses.asdict(l1)]})] == [
+        dataclasses.asdict(l1)]
+
+
+def test_bench_plot_prints_the_table_with_gpu_busy_layers(tmp_path, capsys):
+    l1, l2 = _row(1, "k3compile", 300.0, 60.0), _row(2, "k3compile", 420.0, 120.0)
+    l1.kernels = [{"name": "a", "calls": 1.0, "us": 200.0, "exposed_us": 200.0}]
+    l2.kernels = [{"name": "a", "calls": 1.0, "us": 390.0, "exposed_us": 390.0}]
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"rows": [dataclasses.asdict(r) for r in (l1, l2)], "per_layer": []}))
+    assert main(["bench-plot", str(path), str(tmp_path / "b.png")]) == 0
+    out = capsys.readouterr().out
+    assert "layer 2 ctx 1024 b1 k3compile" in out and "GPU busy    190.0 us" in out and "HOST-BOUND" in out
 
 
 def test_plot_of_the_recorded_benchmark(tmp_path):

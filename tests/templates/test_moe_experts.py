@@ -105,6 +105,75 @@ def test_examples_render_deterministic(T):
             assert env["MAXA"] == min(c["E"], c["M"] * c["TOPK"])
 
 
+_K3 = {"n_experts": 896, "top_k": 16, "latent": 3584, "inter": 384}
+_MINI = {"n_experts": 16, "top_k": 4, "latent": 128, "inter": 256}
+SMEM_PER_SM, SMEM_PER_CTA = 228 * 1024, 227 * 1024  # H100/H200 (each resident CTA also reserves 1 KB)
+
+
+def _allocated(sizes):
+    """Bytes the kernel's SmemAllocator hands out for these allocations (each 16-byte aligned)."""
+    return sum(-(-n // 16) * 16 for n in sizes)
+
+
+def _gate_up_smem(env):  # the kernel's allocations, in its order (moe_gate_up.kernel)
+    grouping = [4 * n for n in (env["P"], env["P"], env["E"], env["E"], env["MAXA"], env["MAXA"], env["MAXA"],
+                                2 * env["WARPS"])]
+    ring = 4 * env["WARPS"] * env["STAGES"] * env["XCH"] * 128
+    x = 4 * (env["M"] * env["XROW"] if env["XSTAGE"] else 4)
+    return _allocated(grouping + [4 * env["WARPS"] * 2 * 16 * 8, ring, x, 4 * env["WARPS"] * env["STAGES"] * 128])
+
+
+def _down_smem(env):  # moe_down_combine.kernel
+    grouping = [4 * n for n in (env["P"], env["P"], env["E"], env["E"], env["MAXA"], env["MAXA"], env["MAXA"],
+                                2 * env["WARPS"])]
+    ring = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32 * 4
+    scales = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32
+    return _allocated(grouping + [2 * env["P"] * 16, ring, scales])
+
+
+@pytest.mark.parametrize("shape", [_K3, _MINI], ids=["k3tp8", "mini"])
+def test_shared_memory_fits_at_every_bucket(shape):
+    # recomputed from the rendered constants as the kernels allocate it, not from the templates' estimate
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        env = module_constants(GU.point(bucket=b, **shape, renormalize=True, scaling_factor=2.5, beta=4.0,
+                                        linear_beta=25.0).render())
+        used = _gate_up_smem(env)
+        assert used <= SMEM_PER_CTA and env["OCC"] * (used + 1024) <= SMEM_PER_SM, (b, used, env["OCC"])
+        assert env["STAGES"] >= min(2, -(-env["STEPS"] // env["KSPLIT"])), b
+        env = module_constants(DC.point(bucket=b, **shape).render())
+        used = _down_smem(env)
+        assert 2 * (used + 1024) <= SMEM_PER_SM, (b, used)  # two CTAs per SM (min_blocks_per_mp=2)
+        assert env["STAGES"] >= 1, b
+
+
+def test_gate_up_stages_the_activations_up_to_batch_8_at_k3_shapes():
+    # batch 2-8: every token's row staged once per CTA, one CTA of 12 warps per SM; the split fills the last
+    # round of tasks (K3 batch 8: ~121 experts x 24 row tiles = ~2,900 tasks fill 2 rounds of 1,584 warps to
+    # 91 % unsplit; batch 2: ~760 tasks, one round at 48 % unsplit, 96 % with 2 warps per task); batch 1 keeps
+    # 4-warp CTAs; from batch 16 the activations travel in the ring
+    for b, staged, warps, ksplit in ((1, True, 4, 4), (2, True, 12, 2), (4, True, 12, 1), (8, True, 12, 1),
+                                     (16, False, 4, 1), (64, False, 4, 1)):
+        c = GU.point(bucket=b, **_K3, renormalize=True, scaling_factor=2.5, beta=4.0, linear_beta=25.0).c
+        assert (c["XSTAGE"], c["WARPS"], c["KSPLIT"]) == (staged, warps, ksplit), b
+        if staged and b > 1:
+            assert (c["OCC"], c["CTAS"]) == (1, 132 if b == 8 else 128), b
+
+
+def test_balanced_split_fills_the_last_round():
+    from k3compile.templates.moe_experts import _balanced_split
+
+    assert _balanced_split(2897, 2112, 28) == 2  # 1 warp: 69 % of the last round's warps busy; 2: 92 %
+    assert _balanced_split(1510, 2112, 28) == 4  # 72 % / 72 % / 95 %
+    assert _balanced_split(2112, 2112, 28) == 1  # a full round: no split
+    assert _balanced_split(1510, 2112, 7) == 1  # a split warp keeps at least 4 k-steps
+    assert _balanced_split(100, 2112, 16) == 4  # 5 % / 9 % / 19 %
+
+
+def test_down_takes_8_warps_where_two_stages_fit():
+    for b, warps in ((1, 8), (8, 8), (32, 8), (64, 4)):
+        assert DC.point(bucket=b, **_K3).c["WARPS"] == warps, b
+
+
 def test_kernel_signatures_follow_args():
     # gate/up: the ROUTED signature comes first in the file (ids in, h out), then the selecting one
     for T, file, labels in ((GU, "moe_gate_up.py", ("mini_b64", "mini_b1")), (DC, "moe_down_combine.py", ("mini_b1",)),
