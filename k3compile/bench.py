@@ -12,7 +12,9 @@ For every (context, bucket) the same model, state and tokens run through each sy
 from ``--steps`` consecutive decode steps (the state advances, as in serving) after WARMUP_S seconds of
 warm-up steps (the state's context reset after them), timed between CUDA events in ROUNDS rounds: the median
 round's mean (one slow round, e.g. host gaps, would otherwise move a per-layer difference T(n) - T(n-1) by up
-to 100 us). Beside it: the HBM floor of the step (bytes the plan
+to 100 us). Each k3compile row also carries its kernel profile; its GPU busy time (the kernels' exposed
+times added up) gives a second per-layer figure, the one that counts where a step is host-bound (its wall
+time more than HOST_BOUND x its busy time: the 1-layer slice at batch 1 and 8 in 2026-11-30's runs). Beside it: the HBM floor of the step (bytes the plan
 says must move -- weights, the experts the batch selects, the state read and written -- over the copy
 bandwidth measured in the same run), kernel launches per step (counted by the profiler), and GPU memory
 beyond weights and state.
@@ -137,8 +139,9 @@ WARMUP_S = 0.2  # busy warm-up before a figure's rounds, seconds of steps (at le
 def _time_steps(fn, steps: int, reset=None, room: int = 3) -> float:
     """µs per step: ``steps`` steps in ROUNDS rounds of about steps / ROUNDS, the median round's mean, after a
     warm-up of WARMUP_S seconds of steps (at least 3, at most ``room``: the state's free context) and then
-    ``reset()`` (the state back to its context). Without the busy warm-up the first figure after a quiet
-    period carried 40-160 µs of idle gaps per step while its kernels took their usual time."""
+    ``reset()`` (the state back to its context), so the figure does not start cold. A step whose host work
+    (Python, the graph launch) takes longer than its kernels stays slower than its kernels however long the
+    warm-up: such rows are flagged (host_bound) and per_layer's ``busy_us`` measures the layer instead."""
     t0, n = time.perf_counter(), 0
     while n < 3 or (n < room and time.perf_counter() - t0 < WARMUP_S):
         fn()
