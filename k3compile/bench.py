@@ -38,6 +38,7 @@ import gc
 import inspect
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -475,6 +476,25 @@ def host_bound(r: Row) -> bool:
     (Python, graph launches) between steps, so the wall time measures the host, not the kernels."""
     b = busy_us(r)
     return b is not None and r.us_per_step > HOST_BOUND * b
+
+
+def refloor(result: dict) -> None:
+    """Every row's ``floor_us`` (and ``x_floor``) recomputed in place from this checkout's kernel plan for its
+    config, TP size, bucket and context, at the result's measured bandwidth (``bench-plot --refloor``); the
+    result records it under ``floor_source``."""
+    from .models import get_config
+    from .plan import plan_for
+
+    cache: dict = {}
+    for r in result["rows"]:
+        key = (r["config"], r["tp"], r["bucket"], r["context"])
+        if key not in cache:
+            name = re.sub(r"^slice(\d+)$", r"slice:\1", r["config"])
+            plan = plan_for(get_config(name), tp=r["tp"], bucket=r["bucket"], context=r["context"])
+            cache[key] = sum(lp.bytes(r["bucket"]) for lp in plan.layers) / result["bandwidth"] * 1e6
+        r["floor_us"] = cache[key]
+        r["x_floor"] = r["us_per_step"] / r["floor_us"]
+    result["floor_source"] = "recomputed with k3compile bench-plot --refloor (this checkout's kernel plan)"
 
 
 def per_layer(rows: list[Row]) -> list[dict]:

@@ -106,11 +106,17 @@ def cmd_bench(args) -> int:
 def cmd_bench_plot(args) -> int:
     import json
 
-    from .bench import per_layer, plot, rows_of, table
+    from .bench import per_layer, plot, refloor, rows_of, table
 
     with open(args.json) as fh:
         res = json.load(fh)
+    if args.refloor:
+        refloor(res)
     res["per_layer"] = per_layer(rows_of(res))  # recomputed: a JSON from an older bench gets the GPU busy column
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(res, fh, indent=1)
+        print(f"wrote {args.save}")
     print(table(res))
     plot(res, args.png, layers=args.layers, context=args.context)
     print(f"wrote {args.png}")
@@ -186,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("png", help="output PNG")
     bp.add_argument("--layers", type=int, help="depth to plot (default: the deepest)")
     bp.add_argument("--context", type=int, help="context to plot (default: the first)")
+    bp.add_argument("--refloor", action="store_true",
+                    help="recompute every row's floor with this checkout's kernel plan (same bandwidth): for a JSON "
+                         "whose floors came from an older byte model")
+    bp.add_argument("--save", help="also write the (recomputed) results to this JSON")
     bp.set_defaults(func=cmd_bench_plot)
     from . import bench  # its system names (imports torch; the CLI does already)
 

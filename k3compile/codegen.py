@@ -274,7 +274,7 @@ def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> 
     if split:
         note = "; ".join(x for x in (note, _PROLOGUE_NOTE) if x)
     if batch_invariant:
-        from .templates.mla_decode import default_splits
+        from .templates.mla_decode import CHUNK_MIN, default_splits
 
         specs = [(t, {**params, "ksplit": 1}) if t == "moe_gate_up" else (t, params) for t, params in specs]
         # ^ bucket 1 would split each expert's reduction over two warps, larger buckets do not
@@ -282,7 +282,7 @@ def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> 
             if t == "gemv":
                 params["mma"] = False  # the tensor-core path sums K in another order than bucket 1's FMA path
             if t == "mla_decode":
-                params["splits"] = default_splits(1, params["lmax"], params.get("chunk_min", 256))
+                params["splits"] = default_splits(1, params["lmax"], params.get("chunk_min", CHUNK_MIN))
     return specs, note
 
 

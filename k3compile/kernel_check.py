@@ -28,12 +28,13 @@ def _poison(a, device) -> torch.Tensor:
 
 
 def device_args(point, inputs: dict, device: str = "cuda", shared: dict | None = None) -> dict[str, torch.Tensor]:
-    """Device copies of the inputs (outputs poisoned); ``shared`` device tensors are used as they are."""
+    """Device copies of the inputs (outputs and scratch poisoned: a kernel must write before it reads scratch);
+    ``shared`` device tensors are used as they are."""
     out = {}
     for a in point.args():
         if shared and a.name in shared:
             out[a.name] = shared[a.name]
-        elif a.role == "out":
+        elif a.role in ("out", "scratch"):
             out[a.name] = _poison(a, device)
         else:
             t = inputs[a.name]

@@ -33,6 +33,7 @@ from .graph_text import node_value, target_str
 
 B = sympy.Symbol("B", positive=True, integer=True)
 DEFAULT_BANDWIDTH = 4.2e12  # bytes/s: the H200's measured copy bandwidth
+MLA_OPS = ("mla_decode", "mla_decode_latent")  # the ops that read the latent cache up to the context
 
 _FREE_TORCH = {"getitem", "torch.stack", "torch.arange", ".copy_", ".index_put_", "torch.chunk"}
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -229,7 +230,7 @@ class _Costs:
             root = self.state_root(a)
             v = node_value(a)
             if root is not None and isinstance(v, torch.Tensor):
-                if op == "mla_decode":  # the latent cache: read `context` rows per sequence
+                if op in MLA_OPS:  # the latent cache: read `context` rows per sequence (not written here)
                     state += B * self.context * v.shape[-1] * v.element_size()
                 else:
                     state += 2 * _rows_bytes(v)  # read + written back in place
@@ -242,9 +243,10 @@ class _Costs:
             s = node_value(node.args[10] if op == "kda_decode_fb" else node.args[9])
             H, K, V = s.shape[1:]
             flops += B * H * 6 * K * V
-        if op == "mla_decode":
-            kv_b = node_value(node.args[5])
-            nope, vdim = node.args[6], node.args[7]
+        if op in MLA_OPS:
+            k = 5 if op == "mla_decode" else 7  # mla_decode_latent takes kv_norm_weight, kv_eps before
+            kv_b = node_value(node.args[k])
+            nope, vdim = node.args[k + 1], node.args[k + 2]
             H, C = kv_b.shape[0] // (nope + vdim), kv_b.shape[1]
             R = node_value(node.args[1]).shape[1] - C
             # scores over C+R, values over C, at `context` cached positions; plus the two absorptions

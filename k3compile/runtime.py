@@ -159,10 +159,8 @@ class Kernel:
     def __call__(self, **given) -> dict[str, torch.Tensor]:
         tensors, outs = [], {}
         for a in self.args:
-            if a.role in ("out", "scratch"):
+            if a.role in ("out", "scratch"):  # scratch: the kernel writes what it reads (no clearing)
                 t = torch.empty(a.shape, dtype=a.torch_dtype, device=self.device)
-                if a.role == "scratch":
-                    t.zero_()
                 outs[a.name] = t
             else:
                 t = _fit(self.name, a, given[a.name])

@@ -15,7 +15,8 @@ A template is two things:
 Argument roles: ``weight`` (static: may be loaded or prefetched before the kernel's dependency wait),
 ``act`` (activation input), ``state`` (decode state, read and written in place), ``out`` (written by
 the kernel; the tests poison it with NaN first) and ``scratch`` (workspace the kernel owns, e.g. split-K
-partials or completion counters; zeroed once at allocation, the kernel leaves it as it found it).
+partials: its contents on entry are undefined, the kernel writes every element before reading it; the GPU tests
+poison it like an output and the runtime never clears it).
 
 Templates know nothing of FX graphs or plans: codegen maps a plan launch to ``(template, params)``.
 """
@@ -128,7 +129,7 @@ class Template:
         raise NotImplementedError
 
     def random_inputs(self, c: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """CPU tensors for every non-``out`` argument (scratch zeroed); realistic value ranges."""
+        """CPU tensors for every non-``out`` argument (scratch: any contents); realistic value ranges."""
         raise NotImplementedError
 
     def reference(self, c: dict, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,6 +164,11 @@ class Template:
         """Bytes that must move: every argument read once, every output written once."""
         return sum(a.nbytes * (2 if a.role == "state" else 1) for a in self.args(c)
                    if a.role not in ("scratch", "comm"))
+
+    def bytes_of(self, c: dict, inputs: dict) -> int:
+        """Bytes one call moves for these inputs (what ``bench-kernels`` takes as the floor): ``bytes(c)`` unless
+        the inputs decide it (the MLA cache is read up to each row's length)."""
+        return self.bytes(c)
 
     # -- provided -----------------------------------------------------------------------------------
     def point(self, arch: str = "sm_90a", **params) -> Point:

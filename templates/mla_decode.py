@@ -7,15 +7,18 @@ graph writes it into the cache afterwards), then ``models.ops.mla_decode(q, late
 kv_b_weight, nope, v, scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plus
 itself (at position ``lengths[m]``).
 
-This template is **two kernels** launched back to back by one ``Kernel.__call__``: a split-context
-attention kernel (grid NSPLIT x M, all local heads of a token in one CTA so each cache row is read once
-per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M) that
-merges the partials, applies W_uv and the sigmoid output gate, and zeroes the partials it consumed.
+This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid
+H x M: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, rounded to bf16 into the scratch
+``ws_q``, and the latent row), a split-context attention kernel on the tensor cores (grid NSPLIT x M, all
+local heads of a token in one CTA as the MMA rows, so each cache row is read once per token) writing partial
+(max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB: two rows per CTA from batch 2) that merges
+the partials and applies W_uv and the sigmoid output gate.
 
 Roles: ``cache`` is decode state but **read-only here** (the graph's index_put writes the new row);
 ``lengths`` (int64, as the model's DecodeState holds them) is an activation read on the device, so one
-compiled kernel serves any lengths in ``0 .. lmax-1``; ``ws_ol`` / ``ws_ml`` are scratch (zero between
-calls). ``reference`` returns ``out`` and ``latent`` only: the cache is not written.
+compiled kernel serves any lengths in ``0 .. lmax-1``; ``ws_q``, ``ws_ol`` and ``ws_ml`` are scratch: every
+element the kernels read was written by them first in the same call. ``reference`` returns ``out`` and
+``latent`` only: the cache is not written.
 """
 
 from __future__ import annotations
@@ -27,43 +30,53 @@ import torch
 from .base import Arg, Template, const, need
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-SMS = 132  # H200 SMs: the default split count aims at about two CTAs of kernel 1 per SM
-MAX_HEADS = 32  # one warp per head: 1024 threads
-TILE = 32  # cache rows per shared-memory tile (32 x 1152 B = 36 KB for C+R = 576)
-MAX_TILE_BYTES = 40 * 1024
+SMS = 132  # H200 SMs
+MAX_HEADS = 32  # two 16-row MMA tiles of heads
+TILE = 64  # cache rows per shared-memory tile (8 per warp of the attention kernel)
+SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may take on the H200
 
 
-def default_splits(bucket: int, lmax: int, chunk_min: int) -> int:
-    """Most splits per row: enough CTAs to fill the GPU about twice at full context, never more than the
-    context can feed with chunk_min positions each."""
-    return max(1, min(math.ceil(lmax / chunk_min), math.ceil(2 * SMS / bucket)))
+def attention_smem(heads: int, row: int) -> int:
+    """Shared memory of the attention kernel: two TILE-row tiles and the query (bf16 rows padded by 16 bytes),
+    the fp32 scores of a tile (rows padded by 8)."""
+    hp = 16 * -(-heads // 16)
+    return 2 * TILE * (row + 8) * 2 + hp * (row + 8) * 2 + hp * (TILE + 8) * 4
+
+
+CTAS_PER_SM = 3  # the default split count aims at this many attention CTAs per SM at full context
+CHUNK_MIN = 256  # default fewest positions per split (four tiles)
+
+
+def default_splits(bucket: int, lmax: int, chunk_min: int = CHUNK_MIN) -> int:
+    """Most splits per row: enough CTAs to fill the GPU about CTAS_PER_SM times at full context (rows of
+    different lengths leave some CTAs short: more, smaller ones balance the SMs), never more than the context
+    can feed with chunk_min positions each."""
+    return max(1, min(math.ceil(lmax / chunk_min), math.ceil(CTAS_PER_SM * SMS / bucket)))
 
 
 class MlaDecode(Template):
     name = "mla_decode"
     kernel_file = "mla_decode.py"
-    doc = ("absorbed MLA decode + kv_a RMSNorm: split-context attention (all heads of a token per CTA, "
-           "cache rows read once) then a combine kernel with W_uv and the output gate")
+    libs = ("mxfp4_lib.py",)  # mma_bf16_16816
+    doc = ("absorbed MLA decode + kv_a RMSNorm: the absorbed query once per head, split-context attention on "
+           "the tensor cores (all heads of a token per CTA, cache rows read once), then a combine kernel with "
+           "W_uv and the output gate")
 
     def constants(self, *, bucket: int, heads: int, nope: int, rope: int, v: int, kv_lora: int, lmax: int,
-                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int = 256) -> list:
+                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int = CHUNK_MIN) -> list:
         p = "mla_decode"
         need(bucket in BUCKETS, f"{p}: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
         need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
-             f"{p}: heads={heads} must be in 1..{MAX_HEADS} (one warp per local head, at most 1024 threads): "
-             f"shard the heads over more ranks (a larger TP size)")
-        need(isinstance(heads, int) and isinstance(kv_lora, int) and 32 * max(heads, 2) >= kv_lora // 8,
-             f"{p}: {heads} heads give {32 * max(heads, 2)} threads, fewer than the {kv_lora // 8} that hold the "
-             f"kv_lora={kv_lora} part of the latent row during its RMSNorm; use at least {-(-kv_lora // 256)} local heads")
-        need(isinstance(kv_lora, int) and kv_lora > 0 and kv_lora % 256 == 0,
-             f"{p}: kv_lora={kv_lora} must be a positive multiple of 256 (each lane owns whole 8-element chunks "
-             f"of the latent); K3 uses 512")
+             f"{p}: heads={heads} must be in 1..{MAX_HEADS} (the local heads are the rows of at most two 16-row "
+             f"MMA tiles): shard the heads over more ranks (a larger TP size)")
+        need(isinstance(kv_lora, int) and 0 < kv_lora <= 2048 and kv_lora % 256 == 0,
+             f"{p}: kv_lora={kv_lora} must be a multiple of 256 up to 2048 (8-element chunks over the 8 warps' "
+             f"output columns and the absorb kernel's 256 threads); K3 uses 512")
         need(isinstance(rope, int) and rope in (32, 64, 128, 256),
              f"{p}: rope={rope} must be 32, 64, 128 or 256 (each lane owns rope/32 contiguous k_pe elements, one "
              f"vector load); K3 uses 64")
-        need(isinstance(nope, int) and nope > 0 and nope % (rope // 32) == 0,
-             f"{p}: nope={nope} must be a positive multiple of rope/32={rope // 32} (aligned q_pe loads); "
-             f"K3 uses 128")
+        need(isinstance(nope, int) and nope > 0 and nope % 8 == 0,
+             f"{p}: nope={nope} must be a positive multiple of 8 (16-byte aligned q_pe copies); K3 uses 128")
         need(isinstance(v, int) and v > 0 and v % 32 == 0,
              f"{p}: v={v} must be a positive multiple of 32 (one output per lane); K3 uses 128")
         need(isinstance(lmax, int) and lmax >= 1, f"{p}: lmax={lmax} must be >= 1 (cache positions per row)")
@@ -77,13 +90,16 @@ class MlaDecode(Template):
              f"{p}: chunk_min={chunk_min} must be a positive number of positions per split")
         if splits is None:
             splits = default_splits(bucket, lmax, chunk_min)
-        need(isinstance(splits, int) and 1 <= splits <= 65535,
-             f"{p}: splits={splits} must be in 1..65535 (grid.x of the attention kernel)")
-        need(TILE * row * 2 <= MAX_TILE_BYTES,
-             f"{p}: a {TILE}-row shared-memory tile of {row}-wide rows needs {TILE * row * 2} bytes > "
-             f"{MAX_TILE_BYTES}; lower TILE in the template")
+        need(isinstance(splits, int) and 1 <= splits <= 4096,
+             f"{p}: splits={splits} must be in 1..4096 (the combine kernel keeps one weight per split in shared "
+             f"memory); raise chunk_min instead")
+        smem = attention_smem(heads, row)
+        need(smem <= SMEM_BUDGET,
+             f"{p}: the attention kernel needs {smem} bytes of shared memory for {heads} heads and {row}-wide "
+             f"rows (two {TILE}-row tiles, the query, the scores) > {SMEM_BUDGET}; use fewer local heads or a "
+             f"smaller kv_lora_rank")
         return [const("M", bucket, "rows (the batch bucket)"),
-                const("H", heads, "local heads (one warp each)"),
+                const("H", heads, "local heads (16-row MMA tiles, padded)"),
                 const("NOPE", nope, "qk_nope_head_dim"),
                 const("R", rope, "qk_rope_head_dim (k_pe width, unrotated)"),
                 const("V", v, "v_head_dim"),
@@ -91,9 +107,9 @@ class MlaDecode(Template):
                 const("LMAX", lmax, "cache positions per row"),
                 const("KV_EPS", float(kv_eps), "kv_a_layernorm epsilon"),
                 const("SCALE", float(scale), "softmax scale ((nope + rope) ** -0.5)"),
-                const("NSPLIT", splits, "most context splits per row (grid.x of kernel 1)"),
+                const("NSPLIT", splits, "most context splits per row (grid.x of the attention kernel)"),
                 const("CHUNK_MIN", chunk_min, "fewest positions per split (short rows use fewer splits)"),
-                const("TILE", TILE, "cache rows staged in shared memory per step")]
+                const("TILE", TILE, "cache rows per shared-memory tile (8 per warp)")]
 
     def examples(self):
         ex = {}
@@ -117,6 +133,7 @@ class MlaDecode(Template):
                 Arg("kv_b_weight", "bf16", (h * (c["NOPE"] + c["V"]), c_dim), "weight"),
                 Arg("out", "bf16", (m, h * c["V"]), "out"),
                 Arg("latent", "bf16", (m, c_dim + r), "out"),
+                Arg("ws_q", "bf16", (m, h, c_dim), "scratch"),
                 Arg("ws_ol", "f32", (m, c["NSPLIT"], h, c_dim), "scratch"),
                 Arg("ws_ml", "f32", (m, c["NSPLIT"], h, 2), "scratch")]
 
@@ -141,6 +158,7 @@ class MlaDecode(Template):
                 "cache": cache,
                 "lengths": lengths.to(torch.int64),
                 "kv_b_weight": (torch.randn(h * (c["NOPE"] + c["V"]), c_dim, generator=gen) / math.sqrt(c_dim)).to(bf),
+                "ws_q": torch.zeros(m, h, c_dim, dtype=bf),
                 "ws_ol": torch.zeros(m, c["NSPLIT"], h, c_dim),
                 "ws_ml": torch.zeros(m, c["NSPLIT"], h, 2)}
 
@@ -180,12 +198,20 @@ class MlaDecode(Template):
         return {"out": out.reshape(m, h * vd), "latent": latent}
 
     def kernel_params(self, c):
-        # kernels/mla_decode.py: the split-context attention kernel, then the combine kernel
-        return [["q", "kv", "kv_norm_weight", "cache", "lengths", "kv_b_weight", "latent", "ws_ol", "ws_ml"],
+        # kernels/mla_decode.py: the absorb kernel, the split-context attention kernel, the combine kernel
+        return [["q", "kv", "kv_norm_weight", "kv_b_weight", "latent", "ws_q"],
+                ["q", "cache", "lengths", "latent", "ws_q", "ws_ol", "ws_ml"],
                 ["gate", "lengths", "kv_b_weight", "out", "ws_ol", "ws_ml"]]
 
     def tolerance(self, c):
         return 1e-2
+
+    def bytes_of(self, c, inputs):
+        """``bytes`` with the cache rows the inputs' lengths read: lengths[m] rows of row m (clamped as the kernel
+        clamps them; position lengths[m] is the current token, from ``kv``)."""
+        lengths = inputs["lengths"].detach().to("cpu", torch.int64).clamp(0, c["LMAX"] - 1)
+        full = c["M"] * (c["LMAX"] - 1) * (c["C"] + c["R"]) * 2
+        return self.bytes(c) - full + int(lengths.sum()) * (c["C"] + c["R"]) * 2
 
     def flops(self, c):
         """Full-context figure (every row at lengths = LMAX - 1, i.e. LMAX positions): absorption of q

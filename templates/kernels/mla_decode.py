@@ -1,53 +1,74 @@
 """Absorbed MLA decode over the latent cache, with the kv_a RMSNorm and latent-row assembly folded in
-(dialect op ``mla_decode_latent``). Two kernels, launched one after the other by ``Kernel.__call__``.
+(dialect op ``mla_decode_latent``). Three kernels, launched one after the other by ``Kernel.__call__``.
 
 Semantics (``k3compile.dialect.mla_decode_latent_impl`` / ``models.ops.mla_decode``), per row m and
 local head h:
 
 * ``latent = [bf16(w * bf16(KimiRMSNorm(kv[:, :C]))) | kv[:, C:]]`` (written to the ``latent`` output;
-  the graph copies it into the cache afterwards: this kernel never writes the cache);
-* ``ql[h] = q_nope[h] @ W_uk[h]`` ([C], fp32), scores over positions p = 0..lengths[m]
+  the graph copies it into the cache afterwards: these kernels never write the cache);
+* ``ql[h] = q_nope[h] @ W_uk[h]`` ([C]), scores over positions p = 0..lengths[m]
   ``s = (ql . c_p + q_pe . kpe_p) * SCALE`` where the row at p = lengths[m] is ``latent`` and earlier
   rows come from the cache, softmax, ``ol = sum_p prob_p c_p`` ([C]), ``o[h] = ol @ W_uv[h]^T`` ([V]),
   ``out = bf16(o * sigmoid(gate))``.
 
-Kernel 1 (``kernel``, grid (NSPLIT, M), one warp per local head, so THREADS = 32 * max(H, 2): with one
-local head a second warp shares the cooperative tile loads and the latent row, computes head 0 again and
-writes nothing (one warp alone would spill the staging registers)): flash-decoding
-split over the context. Row m has n = lengths[m] + 1 valid positions (read on device); it uses
-``nact = min(NSPLIT, ceil(n / CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions each; CTAs with a
-split index >= nact do nothing. An active CTA
-  1. rebuilds the latent row in shared memory (RMSNorm of the C part, rope part copied) -- split 0 also
-     writes it to ``latent``;
-  2. absorbs the query: warp h computes ql[h] (pre-scaled by SCALE*log2(e), so the softmax runs in exp2)
-     and keeps it in registers, lane l owning the 8-element chunks l, l+32, ... of C and R/32 rope dims;
-  3. streams its positions TILE rows at a time: all threads copy the rows (16-byte loads; the current
-     token's row comes from shared memory) through registers into a shared-memory tile, and the loads of
-     the next tile are issued before the current one is consumed. Every cache row is read from global
-     memory once per token, for all heads. Each warp then walks the tile: dot products, one warp
-     reduction per row, online softmax (running max / sum in registers; ol is rescaled only when the
-     running max grows), ol accumulated in registers;
-  4. writes its partial (ol [C] unnormalized, running max in log2 units, running sum) to the scratch
-     workspace ``ws_ol`` [M, NSPLIT, H, C] / ``ws_ml`` [M, NSPLIT, H, 2].
-Kernel 2 (``combine_kernel``, grid (H, M), C/4 threads): merges the nact partials of one (row, head)
-(rescaled by exp2(max_s - max)), normalizes, zeroes the partials it consumed (the scratch is left as it
-was found: all zero), then o = ol @ W_uv[h]^T (one warp per 32 outputs, one warp reduction per output)
-and the sigmoid gate.
+Kernel 1 (``absorb_kernel``, grid (H, M), 256 threads): the absorbed query of one (head, row),
+``ql = q_nope @ W_uk`` summed in fp32 (the 256 threads split NOPE into DGROUPS interleaved parts and C into
+8-element chunks; the parts meet in shared memory, summed in part order) and rounded once to bf16 into the
+scratch ``ws_q`` [M, H, C]: computed once per (row, head) instead of in every context split. The head-0 CTA of
+a row also builds the latent row and writes it to ``latent``.
 
-The cache is a decode-state argument but read-only here. Lengths outside [0, LMAX-1] are clamped into it
-(the model never passes them). All shapes are static; only the lengths are runtime values.
+Kernel 2 (``kernel``, grid (NSPLIT, M), 8 warps): flash-decoding split over the context, on the tensor cores.
+Row m has n = lengths[m] + 1 valid positions (read on device); it uses ``nact = min(NSPLIT, ceil(n /
+CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions each; CTAs with a split index >= nact do nothing. An
+active CTA:
+  1. copies its query into shared memory, ``Q = [ql | q_pe]`` (HP = 16 * HT rows: the local heads padded to
+     whole 16-row MMA tiles with zero rows, ROW = C + R bf16 columns);
+  2. streams its positions TILE = 64 at a time through a two-stage ``cp.async`` ring (each warp copies 8 cache
+     rows; the current token's row comes from ``latent``, positions past the split are zero-filled), so one
+     tile is in flight while the other is used. Every cache row is read from global memory once per token,
+     for all heads;
+  3. per tile: S = Q K^T with ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate; warp w computes the 8
+     positions 8w..8w+7 for every head over the whole ROW; operands through ``ldmatrix``), scaled into log2
+     units, positions past the split masked, and exchanged through shared memory; then every warp runs the
+     same online softmax over the tile (row max and sum within each quad of lanes; the running max and sum
+     are identical in every warp), rounds the probabilities P to bf16 (the sum uses the rounded values, so
+     the normalisation matches the weights applied) and accumulates O += P V for its C / 8 output columns
+     (``ldmatrix.trans`` reads the value rows straight from the tile: V is the C part of the cache rows);
+  4. writes its partial (O [C] unnormalised, running max in log2 units, running sum) to the scratch
+     workspace ``ws_ol`` [M, NSPLIT, H, C] / ``ws_ml`` [M, NSPLIT, H, 2]. The combine kernel reads only the
+     partials of the active splits, which are written first: the scratch needs no zeroing.
+Rows of shared memory are padded by 16 bytes, so the eight row addresses of an ``ldmatrix`` fall in
+different banks.
+
+Kernel 3 (``combine_kernel``, grid (H, M / RB), 8 warps): one head of RB rows (RB = min(M, 2)). The 8 / RB warps
+of a row merge its nact partials: lane s holds split s's (max, sum), warp reductions give the overall max and
+the rescaled sum, each warp sums its share of the partial ol rows with weights exp2(max_s - max) / sum (4
+splits' loads in flight), and the warps' sums meet in shared memory (added in warp order). Then o = ol @ W_uv[h]^T: each warp reads
+its W_uv rows once for all RB rows (one warp reduction per output and row), times the sigmoid gate. The absorb
+and combine kernels prefetch their head's W_uk / W_uv into L2 before their PDL wait (static weights), while the
+kernel before them still runs.
+
+Precision: the scores and the weighted sum run on bf16 operands (``ql`` and P rounded to bf16, the cache is
+bf16) with fp32 accumulation, as FlashMLA-style decoders do; the softmax statistics, the partials and the
+combine are fp32. The cache is a decode-state argument but read-only here. Lengths outside [0, LMAX-1] are
+clamped into it (the model never passes them). All shapes are static; only the lengths are runtime values.
 """
 
 import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from k3compile.templates.kernels.mxfp4_lib import mma_bf16_16816
 
 # >>> constants
 # (example values: rendering replaces this block)
 M = 2  # rows (the batch bucket)
-H = 8  # local heads (one warp each)
+H = 8  # local heads (16-row MMA tiles, padded)
 NOPE = 128  # qk_nope_head_dim
 R = 64  # qk_rope_head_dim (k_pe width, unrotated)
 V = 128  # v_head_dim
@@ -55,43 +76,89 @@ C = 512  # kv_lora_rank (latent width)
 LMAX = 1024  # cache positions per row
 KV_EPS = 1e-06  # kv_a_layernorm epsilon
 SCALE = 0.07216878364870322  # softmax scale ((nope + rope) ** -0.5)
-NSPLIT = 4  # most context splits per row (grid.x of kernel 1)
+NSPLIT = 4  # most context splits per row (grid.x of the attention kernel)
 CHUNK_MIN = 256  # fewest positions per split (short rows use fewer splits)
-TILE = 32  # cache rows staged in shared memory per step
+TILE = 64  # cache rows per shared-memory tile (8 per warp)
 # <<< constants
 
-VEC = 8  # bf16 elements per 16-byte load
+VEC = 8  # bf16 elements per 16-byte copy
 ROW = C + R  # latent row (cache row) width
 QH = NOPE + R  # q elements per head
 KVH = NOPE + V  # kv_b_weight rows per head (W_uk rows then W_uv rows)
-WARPS = max(H, 2)  # kernel 1: one warp per head, at least two (warps >= H repeat head H - 1, write nothing)
+WARPS = 8  # attention kernel: warp w owns positions 8w..8w+7 of a tile (QK^T) and C/8 output columns (PV)
 THREADS = 32 * WARPS
-CCH = C // (VEC * 32)  # 8-element chunks of C per lane
-RPL = R // 32  # rope elements per lane
-RCH = ROW // VEC  # 16-byte chunks per latent row
-STAGE = (TILE * RCH + THREADS - 1) // THREADS  # 16-byte chunks each thread stages per tile
-STAGE_EXACT = TILE * RCH % THREADS == 0
+HT = (H + 15) // 16  # 16-head MMA tiles
+HP = 16 * HT  # heads padded to whole tiles
+SROW = ROW + 8  # bf16 stride of a shared-memory row (16 bytes of padding: conflict-free ldmatrix)
+SROWQ = SROW // 2  # the same in 32-bit words
+SSROW = TILE + 8  # fp32 stride of a score row
+RCH = ROW // VEC  # 16-byte chunks per row
+LCH = (RCH + 31) // 32  # chunks per lane per row
+CPW = C // WARPS  # output columns per warp (PV)
+NPAIR = CPW // 16  # pairs of 8-column MMA tiles per warp (one ldmatrix.x4.trans each)
+KSTEPS_PV = TILE // 16  # k16 steps of P V over a tile
+ABS_THREADS = 256  # absorb kernel
+CCHUNKS = C // VEC  # 8-element chunks of ql (one per thread of a part)
+DGROUPS = ABS_THREADS // CCHUNKS  # parts of the NOPE reduction
 NORM_THREADS = C // VEC  # threads holding the C part of the latent row (whole warps)
 NORM_WARPS = NORM_THREADS // 32
-ROPE_THREADS = R // VEC  # threads holding the rope part
-COMBINE_THREADS = C // 4  # kernel 2: each thread merges 4 consecutive ol elements
-COMBINE_WARPS = COMBINE_THREADS // 32
-VGROUPS = V // 32  # kernel 2: groups of 32 outputs (one per lane)
-MIN_CTAS = 2 if THREADS <= 256 else 1  # kernel 1: ask ptxas for <= 128 registers when 2 CTAs can fit
+ROPE_THREADS = R // VEC  # 16-byte chunks of the rope part
+RB = min(M, 2)  # combine kernel: rows per CTA (W_uv read once for both)
+COMBINE_WARPS = 8  # combine kernel: WPR warps merge each row, then warp w takes W_uv rows w, w + 8, ...
+WPR = COMBINE_WARPS // RB  # combine kernel: warps per row in the merge (they split the row's splits)
+COMBINE_THREADS = 32 * COMBINE_WARPS
+OCH = C // 128  # combine kernel: 4-element chunks of ol per lane
+OG = min(32, V // COMBINE_WARPS)  # combine kernel: outputs per group (one per lane), at least a group per warp
+VGROUPS = V // OG
+CCH = C // (VEC * 32)  # combine kernel: 8-element chunks of C per lane
+WUV_LINES = V * C * 2 // 128  # 128-byte lines of one head's W_uv (prefetched into L2)
+WUK_LINES = NOPE * C * 2 // 128  # ... and of its W_uk
 SCALE_LOG2 = SCALE * 1.4426950408889634  # scores in log2 units: softmax via exp2
 NEG = -1.0e30  # finite "minus infinity" for running maxima (exp2(NEG - x) == 0, no inf - inf)
+
+
+@dsl_user_op
+def ldsm_x4(addr, trans: bool, *, loc=None, ip=None):
+    """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: four 8x8 bf16 matrices; lane l gives the shared
+    address of row l % 8 of matrix l // 8 and gets word j of matrix j (row l // 4, columns 2 (l % 4) and
+    2 (l % 4) + 1; with ``trans`` the matrix is transposed first)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def pack_bf16x2(lo, hi, *, loc=None, ip=None):
+    """(bf16(lo), bf16(hi)) as one 32-bit word, round to nearest even."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bf16_round(x, *, loc=None, ip=None):
+    """x rounded to bf16 (nearest even) and back to fp32."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=f,f", has_side_effects=False,
+        loc=loc, ip=ip))
 
 
 class Kernel:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mGate: cute.Tensor,
                  mCache: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
-                 mLatent: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor, stream):
-        self.kernel(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsOl, mWsMl).launch(
-            grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=MIN_CTAS,
+                 mLatent: cute.Tensor, mWsQ: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor, stream):
+        self.absorb_kernel(mQ, mKv, mKvNormW, mKvB, mLatent, mWsQ).launch(
+            grid=(H, M, 1), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
+        self.kernel(cute.recast_tensor(mQ, Uint32), cute.recast_tensor(mCache, Uint32), mLengths,
+                    cute.recast_tensor(mLatent, Uint32), cute.recast_tensor(mWsQ, Uint32), mWsOl, mWsMl).launch(
+            grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
         self.combine_kernel(mGate, mLengths, mKvB, mOut, mWsOl, mWsMl).launch(
-            grid=(H, M, 1), block=(COMBINE_THREADS, 1, 1), stream=stream, use_pdl=True)
+            grid=(H, M // RB, 1), block=(COMBINE_THREADS, 1, 1), stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------------------------ helpers
     @cute.jit
@@ -104,70 +171,44 @@ class Kernel:
         chunk = (n + nact - 1) // nact
         return length, n, nact, chunk
 
-    @cute.jit
-    def load_tile(self, mCache: cute.Tensor, sLatent: cute.Tensor, rStage: cute.Tensor, row, t0, end, length,
-                  tid):
-        """Issue the 16-byte loads of cache rows t0 .. t0+TILE-1 (those < end) into registers."""
-        for i in cutlass.range_constexpr(STAGE):
-            idx = tid + i * THREADS
-            r = idx // RCH
-            ch = idx - r * RCH
-            p = t0 + r
-            valid = p < end
-            if cutlass.const_expr(not STAGE_EXACT):
-                valid = valid & (idx < TILE * RCH)
-            if valid:
-                if p == length:
-                    cute.autovec_copy(cute.local_tile(sLatent, (VEC,), (ch,)), rStage[None, i])
-                else:
-                    cute.autovec_copy(cute.local_tile(mCache[row, p, None], (VEC,), (ch,)), rStage[None, i])
-
-    @cute.jit
-    def store_tile(self, sTile: cute.Tensor, rStage: cute.Tensor, t0, end, tid):
-        for i in cutlass.range_constexpr(STAGE):
-            idx = tid + i * THREADS
-            r = idx // RCH
-            ch = idx - r * RCH
-            valid = t0 + r < end
-            if cutlass.const_expr(not STAGE_EXACT):
-                valid = valid & (idx < TILE * RCH)
-            if valid:
-                cute.autovec_copy(rStage[None, i], cute.local_tile(sTile[r, None], (VEC,), (ch,)))
-
-    # ------------------------------------------------------------------ kernel 1: split attention
+    # --------------------------------------------------------- kernel 1: absorbed query, latent row
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
-               mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsOl: cute.Tensor,
-               mWsMl: cute.Tensor):
+    def absorb_kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mKvB: cute.Tensor,
+                      mLatent: cute.Tensor, mWsQ: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        head = cutlass.min(warp, Int32(H - 1))
-        split = cute.arch.block_idx()[0]
+        head = cute.arch.block_idx()[0]
         row = cute.arch.block_idx()[1]
         smem = cutlass.utils.SmemAllocator()
-        sTile = smem.allocate_tensor(BFloat16, cute.make_layout((TILE, ROW), stride=(ROW, 1)), 16)
-        sLatent = smem.allocate_tensor(BFloat16, cute.make_layout((ROW,)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((DGROUPS, C), stride=(C, 1)), 16)
         sNorm = smem.allocate_tensor(Float32, cute.make_layout((NORM_WARPS,)), 16)
-        rX = cute.make_rmem_tensor((VEC,), BFloat16)
         rW = cute.make_rmem_tensor((VEC,), BFloat16)
+        rX = cute.make_rmem_tensor((VEC,), BFloat16)
         rY = cute.make_rmem_tensor((VEC,), BFloat16)
-        rWk = cute.make_rmem_tensor((VEC, CCH), BFloat16)
-        rQl = cute.make_rmem_tensor((VEC, CCH), Float32)
-        rQpeB = cute.make_rmem_tensor((RPL,), BFloat16)
-        rQpe = cute.make_rmem_tensor((RPL,), Float32)
-        rC = cute.make_rmem_tensor((VEC, CCH), BFloat16)
-        rPe = cute.make_rmem_tensor((RPL,), BFloat16)
-        rOl = cute.make_rmem_tensor((VEC, CCH), Float32)
-        rStage = cute.make_rmem_tensor((VEC, STAGE), BFloat16)
+        rAcc = cute.make_rmem_tensor((VEC,), Float32)
+        # W_uk of this head into L2 while the previous kernel runs (a static weight: before the PDL wait)
+        for k in cutlass.range_constexpr((WUK_LINES + ABS_THREADS - 1) // ABS_THREADS):
+            li = tid + k * ABS_THREADS
+            if li < WUK_LINES:
+                d = li // (C // 64)
+                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + d, None], (64,), (li - d * (C // 64),)
+                                                   ).iterator.llvm_ptr, cache_level="L2")
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
-        length, n, nact, chunk = self.splits_of(mLengths, row)
-        start = split * chunk
-        end = cutlass.min(start + chunk, n)
-        if split < nact:
-            # -- 1. the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:]
+        # ql part: d = dg, dg + DGROUPS, ... of chunk cc
+        cc = tid % CCHUNKS
+        dg = tid // CCHUNKS
+        rAcc.fill(0.0)
+        if tid < DGROUPS * CCHUNKS:
+            for d in cutlass.range(dg, NOPE, DGROUPS, unroll=8):
+                qd = Float32(mQ[row, head * QH + d])
+                cute.autovec_copy(cute.local_tile(mKvB[head * KVH + d, None], (VEC,), (cc,)), rW)
+                rAcc.store(rAcc.load() + rW.load().to(Float32) * qd)
+            cute.autovec_copy(rAcc, cute.local_tile(sPart[dg, None], (VEC,), (cc,)))
+
+        if head == 0:  # the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:]
             ss = Float32(0.0)
             if tid < NORM_THREADS:
                 cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (tid,)), rX)
@@ -185,124 +226,278 @@ class Kernel:
                 cute.autovec_copy(cute.local_tile(mKvNormW, (VEC,), (tid,)), rW)
                 normed = (rX.load().to(Float32) * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
                 rY.store((normed.to(Float32) * rW.load().to(Float32)).to(BFloat16))
-                cute.autovec_copy(rY, cute.local_tile(sLatent, (VEC,), (tid,)))
-                if split == 0:
-                    cute.autovec_copy(rY, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
-            # the rope part, strided over every thread (with 2 heads there are fewer threads than chunks)
-            for r8 in cutlass.range(tid, ROPE_THREADS, THREADS, unroll=1):
+                cute.autovec_copy(rY, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
+            for r8 in cutlass.range(tid, ROPE_THREADS, ABS_THREADS, unroll=1):
                 cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (NORM_THREADS + r8,)), rX)
-                cute.autovec_copy(rX, cute.local_tile(sLatent, (VEC,), (NORM_THREADS + r8,)))
-                if split == 0:
-                    cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
-            cute.arch.sync_threads()
+                cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
 
-            # -- 2. absorbed query of this warp's head, pre-scaled into log2 units
-            rQl.fill(0.0)
-            for d in cutlass.range(NOPE, unroll=4):
-                qd = Float32(mQ[row, head * QH + d])
-                for k in cutlass.range_constexpr(CCH):
-                    cute.autovec_copy(cute.local_tile(mKvB[head * KVH + d, None], (VEC,), (k * 32 + lane,)),
-                                      rWk[None, k])
-                    rQl[None, k].store(rQl[None, k].load() + rWk[None, k].load().to(Float32) * qd)
-            for k in cutlass.range_constexpr(CCH):
-                rQl[None, k].store(rQl[None, k].load() * Float32(SCALE_LOG2))
-            cute.autovec_copy(cute.local_tile(mQ[row, None], (RPL,), ((head * QH + NOPE) // RPL + lane,)), rQpeB)
-            rQpe.store(rQpeB.load().to(Float32) * Float32(SCALE_LOG2))
+        cute.arch.sync_threads()
+        if tid < CCHUNKS:  # the parts summed in order, rounded once
+            rAcc.fill(0.0)
+            for gp in cutlass.range_constexpr(DGROUPS):
+                rAcc.store(rAcc.load() + cute.local_tile(sPart[gp, None], (VEC,), (tid,)).load())
+            rY.store(rAcc.load().to(BFloat16))
+            cute.autovec_copy(rY, cute.local_tile(mWsQ[row, head, None], (VEC,), (tid,)))
 
-            # -- 3. stream the positions [start, end): online softmax per head
-            rOl.fill(0.0)
-            m_run = Float32(NEG)
-            l_run = Float32(0.0)
-            self.load_tile(mCache, sLatent, rStage, row, start, end, length, tid)
-            for t0 in cutlass.range(start, end, TILE, unroll=1):
-                self.store_tile(sTile, rStage, t0, end, tid)
-                cute.arch.sync_threads()
-                self.load_tile(mCache, sLatent, rStage, row, t0 + TILE, end, length, tid)  # next tile in flight
-                rows = cutlass.min(end - t0, Int32(TILE))
-                for j in cutlass.range(rows, unroll=1):
-                    for k in cutlass.range_constexpr(CCH):
-                        cute.autovec_copy(cute.local_tile(sTile[j, None], (VEC,), (k * 32 + lane,)), rC[None, k])
-                    cute.autovec_copy(cute.local_tile(sTile[j, None], (RPL,), (C // RPL + lane,)), rPe)
-                    part = (rQpe.load() * rPe.load().to(Float32)).reduce(
-                        cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                    for k in cutlass.range_constexpr(CCH):
-                        part = part + (rQl[None, k].load() * rC[None, k].load().to(Float32)).reduce(
-                            cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                    score = cute.arch.warp_reduction(part, operator.add)  # identical in every lane
-                    if score > m_run:  # warp-uniform: rescale only when the running max grows
-                        alpha = cute.math.exp2(m_run - score, fastmath=True)
-                        l_run = l_run * alpha
-                        for k in cutlass.range_constexpr(CCH):
-                            rOl[None, k].store(rOl[None, k].load() * alpha)
-                        m_run = score
-                    prob = cute.math.exp2(score - m_run, fastmath=True)
-                    l_run = l_run + prob
-                    for k in cutlass.range_constexpr(CCH):
-                        rOl[None, k].store(rOl[None, k].load() + rC[None, k].load().to(Float32) * prob)
-                cute.arch.sync_threads()
+    # ------------------------------------------------------------------ kernel 2: split attention
+    @cute.jit
+    def issue_tile(self, mCacheQ: cute.Tensor, mLatentQ: cute.Tensor, sTileQ: cute.Tensor, row, t0, end, length,
+                   warp, lane):
+        """cp.async of positions t0 .. t0 + TILE - 1 into one ring stage (sTileQ [TILE, SROWQ] words): warp w copies
+        rows 8w .. 8w + 7, lane l the 16-byte chunks l, l + 32, ... of each; the current token's row comes from
+        ``latent``, positions at or past ``end`` are zero-filled (their probabilities are 0, never 0 * NaN)."""
+        big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
+                                  num_bits_per_copy=128)
+        rZero = cute.make_rmem_tensor((4,), Uint32)
+        rZero.fill(0)
+        for rr in cutlass.range_constexpr(8):
+            r = 8 * warp + rr
+            p = t0 + r
+            for q in cutlass.range_constexpr(LCH):
+                ch = lane + 32 * q
+                if cutlass.const_expr(32 * (q + 1) <= RCH):
+                    self.copy_chunk(big, rZero, mCacheQ, mLatentQ, sTileQ, row, r, p, ch, end, length)
+                elif ch < RCH:
+                    self.copy_chunk(big, rZero, mCacheQ, mLatentQ, sTileQ, row, r, p, ch, end, length)
 
-            # -- 4. this split's partial
-            if warp < H:
-                for k in cutlass.range_constexpr(CCH):
-                    cute.autovec_copy(rOl[None, k],
-                                      cute.local_tile(mWsOl[row, split, head, None], (VEC,), (k * 32 + lane,)))
-                if lane == 0:
-                    mWsMl[row, split, head, 0] = m_run
-                    mWsMl[row, split, head, 1] = l_run
+    @cute.jit
+    def copy_chunk(self, big, rZero: cute.Tensor, mCacheQ: cute.Tensor, mLatentQ: cute.Tensor, sTileQ: cute.Tensor,
+                   row, r, p, ch, end, length):
+        """16-byte chunk ch of position p into tile row r: from the cache, from ``latent`` (p = length) or zeros."""
+        dst = cute.local_tile(sTileQ[r, None], (4,), (ch,))
+        if p < end:
+            if p == length:
+                cute.copy(big, cute.local_tile(mLatentQ[row, None], (4,), (ch,)), dst)
+            else:
+                cute.copy(big, cute.local_tile(mCacheQ[row, p, None], (4,), (ch,)), dst)
+        else:
+            cute.autovec_copy(rZero, dst)
 
-    # ------------------------------------------------------- kernel 2: combine, W_uv, output gate
     @cute.kernel
-    def combine_kernel(self, mGate: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
-                       mWsOl: cute.Tensor, mWsMl: cute.Tensor):
+    def kernel(self, mQq: cute.Tensor, mCacheQ: cute.Tensor, mLengths: cute.Tensor, mLatentQ: cute.Tensor,
+               mWsQq: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        head = cute.arch.block_idx()[0]
+        split = cute.arch.block_idx()[0]
         row = cute.arch.block_idx()[1]
+        g = lane // 4  # MMA fragment row (and row + 8)
+        t = lane % 4  # MMA fragment column pair
         smem = cutlass.utils.SmemAllocator()
-        sOl = smem.allocate_tensor(Float32, cute.make_layout((C,)), 16)
-        rAcc = cute.make_rmem_tensor((4,), Float32)
-        rPart = cute.make_rmem_tensor((4,), Float32)
-        rZero = cute.make_rmem_tensor((4,), Float32)
-        rOlc = cute.make_rmem_tensor((VEC, CCH), Float32)
-        rWv = cute.make_rmem_tensor((VEC, CCH), BFloat16)
+        sTile = smem.allocate_tensor(Uint32, cute.make_layout((2, TILE, SROWQ), stride=(TILE * SROWQ, SROWQ, 1)),
+                                     16)
+        sQ = smem.allocate_tensor(Uint32, cute.make_layout((HP, SROWQ), stride=(SROWQ, 1)), 16)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((HP, SSROW), stride=(SSROW, 1)), 16)
+        big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
+                                  num_bits_per_copy=128)
+        rZero = cute.make_rmem_tensor((4,), Uint32)
+        rZero.fill(0)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         length, n, nact, chunk = self.splits_of(mLengths, row)
-        m_all = Float32(NEG)
-        for s in cutlass.range(nact, unroll=1):
-            m_all = cute.arch.fmax(m_all, mWsMl[row, s, head, 0])
-        rAcc.fill(0.0)
-        rZero.fill(0.0)
-        l_all = Float32(0.0)
-        for s in cutlass.range(nact, unroll=1):
-            weight = cute.math.exp2(mWsMl[row, s, head, 0] - m_all, fastmath=True)
-            l_all = l_all + mWsMl[row, s, head, 1] * weight
-            gPart = cute.local_tile(mWsOl[row, s, head, None], (4,), (tid,))
-            cute.autovec_copy(gPart, rPart)
-            rAcc.store(rAcc.load() + rPart.load() * weight)
-            cute.autovec_copy(rZero, gPart)  # leave the scratch as it was found
-        rAcc.store(rAcc.load() * (Float32(1.0) / l_all))
-        cute.autovec_copy(rAcc, cute.local_tile(sOl, (4,), (tid,)))
-        cute.arch.sync_threads()
-        for s in cutlass.range(tid, nact, COMBINE_THREADS, unroll=1):
-            mWsMl[row, s, head, 0] = Float32(0.0)
-            mWsMl[row, s, head, 1] = Float32(0.0)
+        start = split * chunk
+        end = cutlass.min(start + chunk, n)
+        if split < nact:
+            # -- 1. Q = [ql | q_pe] of every local head, zero rows up to HP
+            for idx in cutlass.range(tid, HP * RCH, THREADS, unroll=1):
+                h = idx // RCH
+                ch = idx - h * RCH
+                dst = cute.local_tile(sQ[h, None], (4,), (ch,))
+                if h < H:
+                    if ch < C // VEC:
+                        cute.copy(big, cute.local_tile(mWsQq[row, h, None], (4,), (ch,)), dst)
+                    else:
+                        cute.copy(big, cute.local_tile(mQq[row, None], (4,), ((h * QH + NOPE) // VEC + ch - C // VEC,)),
+                                  dst)
+                else:
+                    cute.autovec_copy(rZero, dst)
+            ntiles = (end - start + (TILE - 1)) // TILE
+            self.issue_tile(mCacheQ, mLatentQ, sTile[0, None, None], row, start, end, length, warp, lane)
+            cute.arch.cp_async_commit_group()
 
-        for k in cutlass.range_constexpr(CCH):
-            cute.autovec_copy(cute.local_tile(sOl, (VEC,), (k * 32 + lane,)), rOlc[None, k])
-        for g in cutlass.range(warp, VGROUPS, COMBINE_WARPS, unroll=1):
-            mine = Float32(0.0)
-            for j in cutlass.range(32, unroll=2):
-                vrow = head * KVH + NOPE + g * 32 + j
-                part = Float32(0.0)
+            # lane-constant parts of the ldmatrix addresses (bytes)
+            j = lane // 8
+            r8 = lane % 8
+            tile0 = sTile.iterator.toint()
+            q_addr = sQ.iterator.toint() + ((j % 2) * 8 + r8) * (SROW * 2) + (j // 2) * 16
+            k_addr = tile0 + (8 * warp + r8) * (SROW * 2) + j * 16  # QK^T: this warp's positions, 8 k per matrix
+            v_addr = tile0 + ((j % 2) * 8 + r8) * (SROW * 2) + (warp * CPW + (j // 2) * 8) * 2  # PV (trans)
+
+            acc = cute.make_rmem_tensor((HT, CPW // 8, 4), Float32)  # O: this warp's columns, rows g / g + 8
+            acc.fill(0.0)
+            m_run = cute.make_rmem_tensor((HT, 2), Float32)
+            l_run = cute.make_rmem_tensor((HT, 2), Float32)
+            m_run.fill(NEG)
+            l_run.fill(0.0)
+            pa = cute.make_rmem_tensor((KSTEPS_PV, 4), Int32)  # P as the A operand of P V
+            pv = cute.make_rmem_tensor((2, 2 * KSTEPS_PV, 2), Float32)  # this lane's scores, then probabilities
+            for i in cutlass.range(ntiles, unroll=1):
+                t0 = start + i * TILE
+                st = i % 2
+                if i + 1 < ntiles:
+                    self.issue_tile(mCacheQ, mLatentQ, sTile[1 - st, None, None], row, t0 + TILE, end, length, warp,
+                                    lane)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)  # tile i (and Q) landed: this thread's copies
+                cute.arch.sync_threads()  # ... and everyone's
+
+                # -- S = Q K^T for this warp's 8 positions, every head tile
+                kb = k_addr + st * (TILE * SROW * 2)
+                for ht in cutlass.range_constexpr(HT):
+                    s0 = [Float32(0.0)] * 4  # two accumulators: half the dependent MMA chain
+                    s1 = [Float32(0.0)] * 4
+                    for kc in cutlass.range_constexpr(ROW // 32):
+                        b = ldsm_x4(kb + kc * 64, False)
+                        a0 = ldsm_x4(q_addr + ht * 16 * SROW * 2 + kc * 64, False)
+                        a1 = ldsm_x4(q_addr + ht * 16 * SROW * 2 + kc * 64 + 32, False)
+                        s0 = mma_bf16_16816(a0, (b[0], b[1]), s0)
+                        s1 = mma_bf16_16816(a1, (b[2], b[3]), s1)
+                    for e in cutlass.range_constexpr(4):
+                        pos = 8 * warp + 2 * t + e % 2
+                        val = cutlass.select_(t0 + pos >= end, Float32(NEG), (s0[e] + s1[e]) * Float32(SCALE_LOG2))
+                        sS[ht * 16 + g + 8 * (e // 2), pos] = val
+                cute.arch.sync_threads()
+
+                # -- online softmax over the tile (every warp, the same statistics), then O += P V
+                vb = v_addr + st * (TILE * SROW * 2)
+                for ht in cutlass.range_constexpr(HT):
+                    for hh in cutlass.range_constexpr(2):  # fragment rows g, g + 8
+                        hrow = ht * 16 + g + 8 * hh
+                        mx = Float32(NEG)
+                        for kk in cutlass.range_constexpr(2 * KSTEPS_PV):  # columns 8 kk + 2t, + 1
+                            for e in cutlass.range_constexpr(2):
+                                pv[hh, kk, e] = sS[hrow, 8 * kk + 2 * t + e]
+                                mx = cute.arch.fmax(mx, pv[hh, kk, e])
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                        m_new = cute.arch.fmax(m_run[ht, hh], mx)
+                        alpha = cute.math.exp2(m_run[ht, hh] - m_new, fastmath=True)
+                        tot = Float32(0.0)
+                        for kk in cutlass.range_constexpr(2 * KSTEPS_PV):
+                            for e in cutlass.range_constexpr(2):
+                                pr = bf16_round(cute.math.exp2(pv[hh, kk, e] - m_new, fastmath=True))
+                                pv[hh, kk, e] = pr
+                                tot = tot + pr
+                        tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1)
+                        tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=2)
+                        l_run[ht, hh] = l_run[ht, hh] * alpha + tot
+                        m_run[ht, hh] = m_new
+                        for nt in cutlass.range_constexpr(CPW // 8):
+                            for e in cutlass.range_constexpr(2):
+                                acc[ht, nt, 2 * hh + e] = acc[ht, nt, 2 * hh + e] * alpha
+                    for ks in cutlass.range_constexpr(KSTEPS_PV):  # A fragment: rows g / g + 8, k 2t (+8)
+                        pa[ks, 0] = pack_bf16x2(pv[0, 2 * ks, 0], pv[0, 2 * ks, 1])
+                        pa[ks, 1] = pack_bf16x2(pv[1, 2 * ks, 0], pv[1, 2 * ks, 1])
+                        pa[ks, 2] = pack_bf16x2(pv[0, 2 * ks + 1, 0], pv[0, 2 * ks + 1, 1])
+                        pa[ks, 3] = pack_bf16x2(pv[1, 2 * ks + 1, 0], pv[1, 2 * ks + 1, 1])
+                    for ks in cutlass.range_constexpr(KSTEPS_PV):
+                        a = (pa[ks, 0], pa[ks, 1], pa[ks, 2], pa[ks, 3])
+                        for np in cutlass.range_constexpr(NPAIR):
+                            b = ldsm_x4(vb + ks * 16 * SROW * 2 + np * 32, True)
+                            for half in cutlass.range_constexpr(2):
+                                nt = 2 * np + half
+                                c = mma_bf16_16816(a, (b[2 * half], b[2 * half + 1]),
+                                                   (acc[ht, nt, 0], acc[ht, nt, 1], acc[ht, nt, 2], acc[ht, nt, 3]))
+                                for e in cutlass.range_constexpr(4):
+                                    acc[ht, nt, e] = c[e]
+                cute.arch.sync_threads()  # the stage and the scores are free for the next tile
+
+            # -- this split's partial
+            for ht in cutlass.range_constexpr(HT):
+                for hh in cutlass.range_constexpr(2):
+                    h = ht * 16 + g + 8 * hh
+                    if h < H:
+                        for nt in cutlass.range_constexpr(CPW // 8):
+                            col = warp * CPW + nt * 8 + 2 * t
+                            for e in cutlass.range_constexpr(2):
+                                mWsOl[row, split, h, col + e] = acc[ht, nt, 2 * hh + e]
+                        if warp == 0 and t == 0:
+                            mWsMl[row, split, h, 0] = m_run[ht, hh]
+                            mWsMl[row, split, h, 1] = l_run[ht, hh]
+
+    # ------------------------------------------------------- kernel 3: combine, W_uv, output gate
+    @cute.kernel
+    def combine_kernel(self, mGate: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
+                       mWsOl: cute.Tensor, mWsMl: cute.Tensor):
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        tid = cute.arch.thread_idx()[0]
+        head = cute.arch.block_idx()[0]
+        row0 = cute.arch.block_idx()[1] * RB
+        smem = cutlass.utils.SmemAllocator()
+        sOl = smem.allocate_tensor(Float32, cute.make_layout((RB, C), stride=(C, 1)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((COMBINE_WARPS, C), stride=(C, 1)), 16)
+        rPart = cute.make_rmem_tensor((4,), Float32)
+        rAcc = cute.make_rmem_tensor((4 * OCH,), Float32)
+        rOlc = cute.make_rmem_tensor((VEC,), Float32)
+        rWv = cute.make_rmem_tensor((VEC, CCH), BFloat16)
+        # W_uv of this head into L2 while the attention kernel runs (a static weight: before the PDL wait)
+        for k in cutlass.range_constexpr((WUV_LINES + COMBINE_THREADS - 1) // COMBINE_THREADS):
+            li = tid + k * COMBINE_THREADS
+            if li < WUV_LINES:
+                vr = li // (C // 64)
+                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + NOPE + vr, None], (64,), (li - vr * (C // 64),)
+                                                   ).iterator.llvm_ptr, cache_level="L2")
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+
+        # 1. merge: the WPR warps of row r (warps r * WPR ...) take its splits k, k + WPR, ... (lane s of a warp holds
+        #    split s's statistics for the max and the sum; the partial ol rows are read 4 elements per lane, 4 splits
+        #    in flight); their sums meet in shared memory, added in warp order
+        r = warp // WPR
+        kw = warp % WPR
+        row = row0 + r
+        length, n, nact, chunk = self.splits_of(mLengths, row)
+        mx = Float32(NEG)
+        for s in cutlass.range(lane, nact, 32, unroll=1):
+            mx = cute.arch.fmax(mx, mWsMl[row, s, head, 0])
+        m_all = cute.arch.warp_reduction(mx, cute.arch.fmax)
+        lsum = Float32(0.0)
+        for s in cutlass.range(lane, nact, 32, unroll=1):
+            lsum = lsum + mWsMl[row, s, head, 1] * cute.math.exp2(mWsMl[row, s, head, 0] - m_all, fastmath=True)
+        l_all = cute.arch.warp_reduction(lsum, operator.add)
+        inv = Float32(1.0) / l_all
+        rAcc.fill(0.0)
+        for s in cutlass.range(kw, nact, WPR, unroll=4):
+            weight = cute.math.exp2(mWsMl[row, s, head, 0] - m_all, fastmath=True) * inv
+            for q in cutlass.range_constexpr(OCH):
+                gPart = cute.local_tile(mWsOl[row, s, head, None], (4,), (q * 32 + lane,))
+                cute.autovec_copy(gPart, rPart)
+                for e in cutlass.range_constexpr(4):
+                    rAcc[4 * q + e] = rAcc[4 * q + e] + rPart[e] * weight
+        for q in cutlass.range_constexpr(OCH):
+            cute.autovec_copy(cute.local_tile(rAcc, (4,), (q,)), cute.local_tile(sPart[warp, None], (4,), (q * 32 + lane,)))
+        cute.arch.sync_threads()  # every warp of the row has written its sum
+        for i in cutlass.range(tid, RB * C, COMBINE_THREADS, unroll=1):
+            rr = i // C
+            cc = i - rr * C
+            tot = sPart[rr * WPR, cc]
+            for k in cutlass.range_constexpr(1, WPR):
+                tot = tot + sPart[rr * WPR + k, cc]
+            sOl[rr, cc] = tot
+        cute.arch.sync_threads()
+
+        # 2. o = ol @ W_uv[h]^T for the group's rows: warp w takes the groups of OG outputs w, w + COMBINE_WARPS,
+        #    ... (each W_uv row read once for the RB rows), lane j keeps output j of its group
+        for gi in cutlass.range(warp, VGROUPS, COMBINE_WARPS, unroll=1):
+            mine = cute.make_rmem_tensor((RB,), Float32)
+            mine.fill(0.0)
+            for jj in cutlass.range(OG, unroll=4):
+                vrow = head * KVH + NOPE + gi * OG + jj
                 for k in cutlass.range_constexpr(CCH):
                     cute.autovec_copy(cute.local_tile(mKvB[vrow, None], (VEC,), (k * 32 + lane,)), rWv[None, k])
-                    part = part + (rOlc[None, k].load() * rWv[None, k].load().to(Float32)).reduce(
-                        cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                o = cute.arch.warp_reduction(part, operator.add)
-                mine = cutlass.select_(lane == j, o, mine)
-            col = head * V + g * 32 + lane
-            gate = Float32(mGate[row, col])
-            mOut[row, col] = (mine / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))).to(BFloat16)
+                for r in cutlass.range_constexpr(RB):
+                    part = Float32(0.0)
+                    for k in cutlass.range_constexpr(CCH):
+                        cute.autovec_copy(cute.local_tile(sOl[r, None], (VEC,), (k * 32 + lane,)), rOlc)
+                        part = part + (rOlc.load() * rWv[None, k].load().to(Float32)).reduce(
+                            cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                    o = cute.arch.warp_reduction(part, operator.add)
+                    mine[r] = cutlass.select_(lane == jj, o, mine[r])
+            if lane < OG:
+                col = head * V + gi * OG + lane
+                for r in cutlass.range_constexpr(RB):
+                    gate = Float32(mGate[row0 + r, col])
+                    mOut[row0 + r, col] = (mine[r] / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))).to(
+                        BFloat16)

@@ -146,4 +146,4 @@ def test_every_template_launch_asks_for_pdl():
                 trig = [n.lineno for n in ast.walk(node) if isinstance(n, ast.Call)
                         and ast.unparse(n.func) == "cute.arch.griddepcontrol_launch_dependents"]
                 assert trig and min(trig) > wait_line, where
-    assert launches >= 9  # every template's kernels (mla_decode launches two)
+    assert launches >= 10  # every template's kernels (mla_decode launches three)

@@ -223,3 +223,23 @@ def test_the_graph_capture_skips_only_the_input_checks_host_sync():
         assert torch.equal(pos, lengths) and pos.data_ptr() != lengths.data_ptr()
     with pytest.raises(ValueError, match="outside the vocabulary"):  # the real check is back
         torch.ops.k3model.check_decode_inputs(bad_ids, lengths, 10, 100)
+
+
+def test_bench_plot_refloor_takes_the_plans_bytes(tmp_path, capsys):
+    """--refloor replaces each row's floor by this checkout's plan bytes for its config, TP, bucket and context
+    at the JSON's bandwidth (the MLA cache read up to the context)."""
+    from k3compile.models import get_config
+    from k3compile.plan import plan_for
+
+    rows = [dataclasses.asdict(bench.Row("k3_mini", 13, 1, ctx, 1, "k3compile", us_per_step=900.0, launches=200,
+                                         floor_us=1.0)) for ctx in (16, 2048)]
+    path, saved = tmp_path / "b.json", tmp_path / "r.json"
+    path.write_text(json.dumps({"bandwidth": 4e12, "rows": rows, "per_layer": []}))
+    assert main(["bench-plot", str(path), str(tmp_path / "b.png"), "--refloor", "--save", str(saved)]) == 0
+    res = json.loads(saved.read_text())
+    for r in res["rows"]:
+        plan = plan_for(get_config("k3_mini"), tp=1, bucket=1, context=r["context"])
+        assert r["floor_us"] == pytest.approx(sum(lp.bytes(1) for lp in plan.layers) / 4e12 * 1e6)
+        assert r["x_floor"] == pytest.approx(900.0 / r["floor_us"])
+    assert res["rows"][1]["floor_us"] > res["rows"][0]["floor_us"]  # 2048 cached rows read instead of 16
+    assert "refloor" in res["floor_source"]

@@ -90,3 +90,14 @@ def test_plan_cli_json(capsys):
 def test_plan_cli_rejects_bad_tp(capsys):
     assert main(["plan", "--config", "k3_mini", "--tp", "16"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_mla_floor_reads_the_cache_up_to_the_context(capsys):
+    """The latent cache counts as read up to ``context`` rows per sequence (never written by the decode op):
+    the MLA+MoE layer's bytes grow by exactly B x (32000 - 1024) cached rows of C + R bf16 between the two
+    contexts, whatever the cache capacity (the lowered graph's op is mla_decode_latent)."""
+    got = {}
+    for ctx in (1024, 32000):
+        assert main(["plan", "--config", "slice:4", "--tp", "8", "--bucket", "8", "--context", str(ctx), "--json"]) == 0
+        got[ctx] = json.loads(capsys.readouterr().out)["layer_types"]["mla+moe"]["bytes"]
+    assert got[32000] - got[1024] == 8 * (32000 - 1024) * (512 + 64) * 2

@@ -220,7 +220,7 @@ def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
 
 def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
     """Without the option the MLA decode of bucket 64 uses fewer context splits than bucket 1 (a different
-    summation order past 1,280 positions); with it every bucket uses bucket 1's. Every other kernel's
+    summation order for rows longer than one split); with it every bucket uses bucket 1's. Every other kernel's
     per-row reduction never depends on the bucket (one row's dot products and norms are computed the same
     way whatever the other rows)."""
     def mla_splits(**options):
