@@ -537,8 +537,7 @@ def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:
 def table(result: dict) -> str:
     lines = [f"{'config':<10} {'L':<4} tp ctx        bucket system              us/step       floor      x floor  "
              f"launches  extra memory"]
-    for r in result["rows"]:
-        lines.append(_fmt(Row(**{k: v for k, v in r.items() if k not in ("x_floor", "kernels")})))
+    lines += [_fmt(r) for r in rows_of(result)]
     if result["per_layer"]:
         lines.append("\nper layer (T(n layers) - T(n-1 layers); wall, and GPU busy: the kernels' exposed time):")
         for p in result["per_layer"]:

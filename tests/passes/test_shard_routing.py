@@ -1,4 +1,6 @@
-"""shard_routing: routing is identical on every rank and equal to the unsharded router, ties included."""
+"""shard_routing: routing is identical on every rank (bit for bit) and equal to the unsharded router, ties
+included: the same experts, and the same weights up to the fp32 rounding of the router GEMM (a CPU BLAS may
+sum an [E / TP]-row shard in another order than the whole [E]-row weight: 3e-7 apart on an AVX2 machine)."""
 
 import os
 
@@ -49,5 +51,5 @@ def test_sharded_routing_identical_across_ranks_and_to_unsharded(tmp_path):
         for logits, weights, ids in results:
             assert torch.equal(ids, results[0][2]) and torch.equal(weights, results[0][1])
             assert torch.equal(ids, ref_ids), f"TP{world}: routing differs from the unsharded router"
-            assert torch.equal(weights, ref_w)
-            assert torch.equal(logits, torch.nn.functional.linear(x.float(), w.float()))
+            torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=0)  # GEMM rounding only (seen: 1.2e-7)
+            torch.testing.assert_close(logits, torch.nn.functional.linear(x.float(), w.float()), rtol=0, atol=1e-5)
