@@ -11,8 +11,8 @@ This template is **three kernels** launched back to back by one ``Kernel.__call_
 H x M: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, rounded to bf16 into the scratch
 ``ws_q``, and the latent row), a split-context attention kernel on the tensor cores (grid NSPLIT x M, all
 local heads of a token in one CTA as the MMA rows, so each cache row is read once per token) writing partial
-(max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB: two rows per CTA from batch 2) that merges
-the partials and applies W_uv and the sigmoid output gate.
+(max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB: two rows per CTA from batch 2)
+that merges the partials and applies W_uv and the sigmoid output gate.
 
 Roles: ``cache`` is decode state but **read-only here** (the graph's index_put writes the new row);
 ``lengths`` (int64, as the model's DecodeState holds them) is an activation read on the device, so one
@@ -34,6 +34,8 @@ SMS = 132  # H200 SMs
 MAX_HEADS = 32  # two 16-row MMA tiles of heads
 TILE = 64  # cache rows per shared-memory tile (8 per warp of the attention kernel)
 SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may take on the H200
+CTAS_PER_SM = 3  # the default split count aims at this many attention CTAs per SM at full context
+CHUNK_MIN = 256  # default fewest positions per split (four tiles)
 
 
 def attention_smem(heads: int, row: int) -> int:
@@ -41,10 +43,6 @@ def attention_smem(heads: int, row: int) -> int:
     the fp32 scores of a tile (rows padded by 8)."""
     hp = 16 * -(-heads // 16)
     return 2 * TILE * (row + 8) * 2 + hp * (row + 8) * 2 + hp * (TILE + 8) * 4
-
-
-CTAS_PER_SM = 3  # the default split count aims at this many attention CTAs per SM at full context
-CHUNK_MIN = 256  # default fewest positions per split (four tiles)
 
 
 def default_splits(bucket: int, lmax: int, chunk_min: int = CHUNK_MIN) -> int:

@@ -205,7 +205,7 @@ def test_split_schedule_emulation_matches_reference(splits, chunk_min):
     assert 1e-5 < err < T.tolerance(c) / 4, err
 
 
-def test_tiles_longer_than_a_split():
+def test_splits_shorter_and_longer_than_a_tile():
     """Splits of a few positions (fewer than a tile: the rest of the tile is masked) and of several tiles."""
     for lmax, chunk_min in ((300, 256), (300, 5)):
         c = _small("k3tp8_b8", lmax=lmax, bucket=4, chunk_min=chunk_min)
