@@ -265,25 +265,34 @@ def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> 
     same order as bucket 1, so RMSNorm prologues stay fused (the rms_norm kernel sums a row's squares in
     another order than the GEMV prologue), GEMVs keep the FMA path (the tensor-core path, from bucket 8,
     permutes K inside each MMA) and moe_gate_up gives each expert's reduction to one warp (at batch 1 it
-    would split it over two); moe_down_combine, the residual, norm and KDA kernels already do (one row's
-    reduction never depends on the other rows or on the bucket's tiling); the MLA split-context decode picks
-    fewer context splits for larger buckets, so here it takes bucket 1's split count (more CTAs and
-    workspace at large buckets, same sums)."""
+    would split it over two); moe_down_combine, the norm and KDA kernels already do (one row's reduction
+    never depends on the other rows or on the bucket's tiling); the MLA split-context decode picks fewer
+    context splits and the residual kernel fewer CTAs per row (its cluster) for larger buckets, so here they
+    take bucket 1's (more CTAs and workspace at large buckets, same sums)."""
     specs, note = _LOWERING[dialect.op_name(node)](node, bucket, tp)
     specs, split = _split_prologues(specs, rms_norm=not batch_invariant and bucket >= PROLOGUE_SPLIT_BUCKET)
     if split:
         note = "; ".join(x for x in (note, _PROLOGUE_NOTE) if x)
     if batch_invariant:
-        from .templates.mla_decode import CHUNK_MIN, default_splits
-
-        specs = [(t, {**params, "ksplit": 1}) if t == "moe_gate_up" else (t, params) for t, params in specs]
-        # ^ bucket 1 would split each expert's reduction over two warps, larger buckets do not
-        for t, params in specs:
-            if t == "gemv":
-                params["mma"] = False  # the tensor-core path sums K in another order than bucket 1's FMA path
-            if t == "mla_decode":
-                params["splits"] = default_splits(1, params["lmax"], params.get("chunk_min", CHUNK_MIN))
+        specs = batch_invariant_specs(specs)
     return specs, note
+
+
+def batch_invariant_specs(specs: list) -> list:
+    """``specs`` with every per-row reduction in bucket 1's order (see ``lower_node``)."""
+    from .templates.mla_decode import CHUNK_MIN, default_splits
+    from .templates.residual_attn_res import default_cluster
+
+    specs = [(t, {**params, "ksplit": 1}) if t == "moe_gate_up" else (t, dict(params)) for t, params in specs]
+    # ^ bucket 1 would split each expert's reduction over two warps, larger buckets do not
+    for t, params in specs:
+        if t == "gemv":
+            params["mma"] = False  # the tensor-core path sums K in another order than bucket 1's FMA path
+        if t == "mla_decode":
+            params["splits"] = default_splits(1, params["lmax"], params.get("chunk_min", CHUNK_MIN))
+        if t == "residual_attn_res":  # a row's statistics are summed per CTA, then over the cluster
+            params["cluster"] = default_cluster(1, params["d"])
+    return specs
 
 
 def check_arch(arch: str) -> None:

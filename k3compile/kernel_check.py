@@ -2,7 +2,9 @@
 
 ``check``: fresh random inputs (a new seed each call), every ``out`` argument poisoned first (NaN for
 floating outputs, -1 for integer ones), one call, then ``||out - ref|| / ||ref||`` per output and per
-updated ``state`` argument against the template's tolerance; any NaN or untouched element fails.
+updated ``state`` argument against the template's tolerance (in float64, a slice of the leading dimension at a
+time: a state tensor of GBs is never copied whole); any NaN or untouched element fails, and a tolerance of 0
+means bit-exact.
 
 ``time_kernel``: the kernel inside a CUDA graph, replayed over several input sets whose combined weights
 exceed the 60 MB L2 (so repeats are not served from cache), median of many replays; beside it, torch
@@ -16,6 +18,7 @@ import math
 import torch
 
 L2_BYTES = 60 * 2**20
+CHUNK = 1 << 24  # elements per float64 slice when comparing a result with its reference (128 MiB)
 
 
 def _poison(a, device) -> torch.Tensor:
@@ -56,30 +59,60 @@ def check(point, fn, *, seed: int, device: str = "cuda") -> dict:
 
 
 def compare(point, inputs: dict, dev: dict) -> dict:
-    """Kernel results in ``dev`` against the template's float64 reference for ``inputs``."""
+    """Kernel results in ``dev`` against the template's float64 reference for ``inputs`` (state arguments the
+    kernel writes as copies of its own outputs: against ``Template.copied_state``, exactly)."""
     t, c = point.template, point.c
     ref = t.reference(c, {k: v.clone() for k, v in inputs.items()})
+    ref.update(t.copied_state(c, inputs, {a.name: dev[a.name] for a in point.args() if a.role == "out"}))
     tol = t.tolerance(c)
     errors, problems = {}, []
     for name, r in ref.items():
-        got = dev[name].cpu()
+        got = dev[name]
         if not got.is_floating_point():
+            got = got.cpu()
             bad = int((got != r.to(got.dtype)).sum())
             errors[name] = bad
             if bad:
                 problems.append(f"{name}: {bad} of {got.numel()} integer values differ")
             continue
-        g = got.double()
-        if torch.isnan(g).any():
-            problems.append(f"{name}: {int(torch.isnan(g).sum())} of {g.numel()} values NaN (unwritten or invalid)")
+        rel, nans, differ = relative_error(got, r)
+        if nans:
+            problems.append(f"{name}: {nans} of {got.numel()} values NaN (unwritten or invalid)")
             errors[name] = math.inf
             continue
-        rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
         errors[name] = rel
         lim = tol[name] if isinstance(tol, dict) else tol
         if not rel <= lim:
-            problems.append(f"{name}: relative error {rel:.3g} > {lim:g}")
+            problems.append(f"{name}: {differ} of {got.numel()} values differ (exact comparison)" if lim == 0 else
+                            f"{name}: relative error {rel:.3g} > {lim:g}")
     return {"ok": not problems, "errors": errors, "problems": problems}
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor, chunk: int | None = None) -> tuple[float, int, int]:
+    """``(||got - ref|| / ||ref||, NaNs in got, elements that differ)`` in float64, summed over slices of the
+    leading dimension of about ``chunk`` elements (default ``CHUNK``): a large state tensor (an MLA cache of
+    several GB) is never one float64 copy, and ``got`` may stay on the device (each slice is copied to the
+    host). ``ref`` may be of any floating dtype (a state reference is kept in the state's own dtype when its
+    values are exact)."""
+    chunk = CHUNK if chunk is None else chunk
+    if tuple(got.shape) != tuple(ref.shape):
+        if got.numel() != ref.numel():
+            raise ValueError(f"the kernel's result is {list(got.shape)}, its reference {list(ref.shape)} (a "
+                             f"template bug: the reference must have the argument's elements)")
+        ref = ref.reshape(got.shape)
+    if got.dim() == 0:
+        got, ref = got.reshape(1), ref.reshape(1)
+    step = max(1, chunk // max(1, got[0].numel()))
+    diff2, ref2, nans, differ = 0.0, 0.0, 0, 0
+    for i in range(0, got.shape[0], step):
+        g = got[i:i + step].detach().cpu().double()
+        r = ref[i:i + step].detach().cpu().double()
+        d = g - r
+        nans += int(torch.isnan(g).sum())
+        differ += int((d != 0).sum())
+        diff2 += float(d.square().sum())
+        ref2 += float(r.square().sum())
+    return math.sqrt(diff2) / max(math.sqrt(ref2), 1e-30), nans, differ
 
 
 def input_bytes(point) -> int:

@@ -3,7 +3,10 @@
 Per (bucket, TP) the pipeline's lowered FX graph holds K3 dialect ops (``k3::front_gemm``, ...) and a
 little torch glue (embedding lookup, ``torch.stack`` of the AttnRes blocks, the MLA cache write). The
 runtime rewrites every dialect node into a :class:`Binding` that calls the kernels codegen maps that
-node to (``codegen._LOWERING``: the same mapping, so the package built offline is exactly what runs)::
+node to (``codegen._LOWERING``: the same mapping, so the package built offline is exactly what runs), and
+drops the glue the kernels make redundant: the blocks reach the residual kernels as a list
+(``_unstack_blocks``), the MLA kernel writes the new cache row itself (``_drop_cache_writes``), the KDA
+kernel updates its state in place (``_drop_self_copies``)::
 
     before: front_gemm_0 = k3.front_gemm(x, [Wq, Wk, Wv, ...], fp32, gather, '', 1, 0)
     after:  front_gemm_0 = Binding[front_gemm -> gemv_1a2b3c4d5e](x, [Wq, Wk, Wv, ...], ...)
@@ -265,7 +268,8 @@ class Binding:
         a = _named(self.target, args, kwargs)
         if not self.shadow:
             return getattr(self, "_" + self.op)(a, *self.kernels)
-        ref = self.target(*args, **kwargs)  # functional: reads the state before the kernels update it
+        ra, rk = _restacked(self.target, args, kwargs)
+        ref = self.target(*ra, **rk)  # functional: reads the state before the kernels update it
         out = getattr(self, "_" + self.op)(a, *self.kernels)
         errs = [_rel(o, r) for o, r in zip(_as_list(out), _as_list(ref))]
         _SHADOW[self.key] = max([_SHADOW.get(self.key, 0.0), *errs])
@@ -334,8 +338,13 @@ class Binding:
 
     @staticmethod
     def _blocks(a) -> dict:
-        """AttnRes inputs; the projection is a [1, D] linear weight in the model, a [D] vector in the kernel."""
-        return dict(blocks=a["blocks"], norm_weight=a["norm_weight"], proj_weight=a["proj_weight"].reshape(-1))
+        """AttnRes inputs: the sealed blocks one tensor each (``block<b>``: the list ``_unstack_blocks`` put in
+        place of the graph's ``torch.stack``; a stacked [M, NB, D] tensor is split into views, which the kernel
+        call copies), the projection as a [D] vector (a [1, D] linear weight in the model)."""
+        blocks = a["blocks"]
+        blocks = blocks.unbind(1) if isinstance(blocks, torch.Tensor) else blocks
+        return {**{f"block{b}": t for b, t in enumerate(blocks)}, "norm_weight": a["norm_weight"],
+                "proj_weight": a["proj_weight"].reshape(-1)}
 
     def _attn_res(self, a, k):
         return k(prefix=a["prefix"], **self._blocks(a))["y"]
@@ -404,6 +413,18 @@ class Binding:
         o = k(q=a["q"], kv=a["kv"], kv_norm_weight=a["kv_norm_weight"], gate=a["gate"], cache=a["cache"],
               lengths=a["lengths"], kv_b_weight=a["kv_b_weight"])
         return o["out"], o["latent"]
+
+
+def _restacked(op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``op``'s arguments with the blocks list ``_unstack_blocks`` passes stacked back into the [M, NB, D]
+    tensor the eager op takes."""
+    names = [a.name for a in op._schema.arguments]
+    i = names.index("blocks") if "blocks" in names else None
+    if i is not None and i < len(args) and isinstance(args[i], list):
+        args = args[:i] + (torch.stack(args[i], 1),) + args[i + 1:]
+    if isinstance(kwargs.get("blocks"), list):
+        kwargs = {**kwargs, "blocks": torch.stack(kwargs["blocks"], 1)}
+    return args, kwargs
 
 
 def _adjacent(ws, order, rows):
@@ -563,6 +584,8 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
         node.target = b
         bindings.append(b)
     _drop_self_copies(gm.graph)
+    _drop_cache_writes(gm.graph)
+    _unstack_blocks(gm.graph)
     gm.recompile()
     return BoundGraph(gm, bucket, bindings, kernels)
 
@@ -630,6 +653,70 @@ def _drop_self_copies(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
             if not dst.users:
                 graph.erase_node(dst)
+
+
+def _drop_cache_writes(graph: torch.fx.Graph) -> None:
+    """``cache.index_put_((arange(B), positions), latent.to(bf16))`` of the latent row a kernel-bound
+    ``mla_decode_latent`` returned: drop it, and its ``.to`` and ``arange`` when nothing else uses them (the
+    layers may share one ``arange``). The mla_decode absorb kernel writes that row itself, in place, so this is
+    exact: the same rows (the op's cache argument is ``cache[:B]``, the slice ``arange(B)`` indexes), the same
+    positions (the op's ``lengths`` argument is the node the index_put_ takes as positions), the same bf16
+    values (``.to`` of the bf16 latent is the identity). Padding rows (a batch below its bucket) run with
+    lengths 0: the kernel writes position 0 of their cache rows as the index_put_ did, and
+    ``KernelDispatcher._save_padding_rows`` saves and restores that position around the step. An op run
+    eagerly (``EagerOp``: a disabled kernel) does not write the cache: its index_put_ stays."""
+    mla = dialect.k3_ops()["mla_decode_latent"]
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "index_put_" or node.users or len(node.args) != 3 \
+                or node.kwargs:
+            continue
+        dst, indices, value = node.args
+        to = value if (isinstance(value, torch.fx.Node) and value.op == "call_method" and value.target == "to"
+                       and (value.args[1:], value.kwargs) in (((torch.bfloat16,), {}),
+                                                              ((), {"dtype": torch.bfloat16}))) else None
+        src = to.args[0] if to is not None else value
+        if not (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is operator.getitem
+                and src.args[1] == 1 and isinstance(src.args[0].target, Binding)
+                and src.args[0].target.op == "mla_decode_latent"):
+            continue
+        a = _named(mla, src.args[0].args, src.args[0].kwargs)
+        if not (isinstance(indices, (tuple, list)) and len(indices) == 2):
+            continue
+        rows, positions = indices
+        key = _slice_key(a["cache"])
+        if not (isinstance(rows, torch.fx.Node) and rows.op == "call_function" and rows.target is torch.arange
+                and len(rows.args) == 1 and positions is a["lengths"] and isinstance(dst, torch.fx.Node)
+                and dst.op == "placeholder" and key is not None and key[0] == dst.name
+                and a["cache"].args[1] == slice(None, rows.args[0], None)):
+            continue
+        graph.erase_node(node)
+        for n in (to, src, rows):
+            if n is not None and not n.users:
+                graph.erase_node(n)
+
+
+def _unstack_blocks(graph: torch.fx.Graph) -> None:
+    """``k3.op(..., torch.stack([b0, b1, ..], 1), ...)`` -> ``k3.op(..., [b0, b1, ..], ...)`` for kernel-bound
+    AttnRes ops: the residual kernel takes each sealed block as its own tensor, so the [M, NB, D] copy the
+    stack makes (one launch, NB rows per token) is not needed. The stack node goes when nothing else uses it;
+    eager-run ops (``EagerOp``) keep the stacked tensor."""
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and isinstance(node.target, Binding)):
+            continue
+        names = [a.name for a in node.target.target._schema.arguments]
+        if "blocks" not in names:
+            continue
+        i = names.index("blocks")
+        src = node.args[i] if i < len(node.args) else node.kwargs.get("blocks")
+        if not (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is torch.stack
+                and len(src.args) == 2 and src.args[1] == 1 and not src.kwargs):
+            continue
+        if i < len(node.args):
+            node.args = node.args[:i] + (list(src.args[0]),) + node.args[i + 1:]
+        else:
+            node.kwargs = {**node.kwargs, "blocks": list(src.args[0])}
+        if not src.users:
+            graph.erase_node(src)
 
 
 # ------------------------------------------------------------------------------------------- dispatcher

@@ -413,8 +413,9 @@ def _scope(d, kernels, buckets, gpu, tp: int = 1) -> Check:
     c.summary = (f"buckets {list(buckets)}, {where}, sm_90a; kernels: {kernels}; features kept: full context (MLA cache of "
                  f"the package's capacity, split-context decode), per-sequence lengths, padding rows preserved, "
                  f"the state advanced in place; sampling runs on the logits outside the step")
-    c.details = [f"torch glue per graph (not kernels: embedding gather, AttnRes block stack, MLA cache write, "
-                 f"lengths update): {dict(glue)}", f"eager ops: {eager or 'none'}"]
+    c.details = [f"torch glue, summed over the buckets' graphs (not kernels: the lengths update; the AttnRes block "
+                 f"stacks, the MLA cache writes and the KDA state copies are done by the kernels): {dict(glue)}",
+                 f"eager ops: {eager or 'none'}"]
     if not gpu:
         c.details.append("this run: CPU, kernels = float64 template references (bindings checked, not kernels)")
     return c

@@ -133,8 +133,18 @@ class Template:
         raise NotImplementedError
 
     def reference(self, c: dict, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """float64 results for every ``out`` argument (and every ``state`` argument, as written back)."""
+        """float64 results for every ``out`` argument (and every ``state`` argument, as written back; a large
+        state whose new values are exact in its own dtype may be returned in that dtype)."""
         raise NotImplementedError
+
+    def copied_state(self, c: dict, inputs: dict[str, torch.Tensor],
+                     outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` arguments the kernel updates with copies of its own outputs (``outs``: what it returned), as
+        they must read after the call (``inputs``: the call's inputs, not to be written). ``kernel_check.compare``
+        checks these instead of the reference's, bit for bit with a tolerance of 0: the outputs themselves are
+        checked against the float64 reference, whose rounding to bf16 can differ from the kernel's in a rare tie
+        (so a state holding a copy of them cannot be compared exactly with the reference). Default: none."""
+        return {}
 
     def kernel_params(self, c: dict) -> list[list[str]]:
         """For each kernel entry of the compiled module (PTX order), the argument behind each of its

@@ -2,23 +2,27 @@
 RMSNorm and latent-row assembly folded in (dialect op ``k3::mla_decode_latent``; kernel:
 kernels/mla_decode.py).
 
-Per row m: ``latent = [KimiRMSNorm(kv[:, :C], kv_norm_weight, kv_eps) | kv[:, C:]]`` (bf16 output; the
-graph writes it into the cache afterwards), then ``models.ops.mla_decode(q, latent, gate, cache, lengths,
-kv_b_weight, nope, v, scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plus
-itself (at position ``lengths[m]``).
+Per row m: ``latent = [KimiRMSNorm(kv[:, :C], kv_norm_weight, kv_eps) | kv[:, C:]]`` (bf16 output, also
+written into the cache at ``cache[m, lengths[m]]``: what the model's ``index_put_`` after the op does, so the
+runtime drops that node), then ``models.ops.mla_decode(q, latent, gate, cache, lengths, kv_b_weight, nope, v,
+scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plus itself (at position
+``lengths[m]``).
 
 This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid
 H x M: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, rounded to bf16 into the scratch
-``ws_q``, and the latent row), a split-context attention kernel on the tensor cores (grid NSPLIT x M, all
-local heads of a token in one CTA as the MMA rows, so each cache row is read once per token) writing partial
-(max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB: two rows per CTA from batch 2)
-that merges the partials and applies W_uv and the sigmoid output gate.
+``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the tensor
+cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
+per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB: two
+rows per CTA from batch 2) that merges the partials and applies W_uv and the sigmoid output gate.
 
-Roles: ``cache`` is decode state but **read-only here** (the graph's index_put writes the new row);
-``lengths`` (int64, as the model's DecodeState holds them) is an activation read on the device, so one
+Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
+``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
+reads that position from the cache: it takes the current token's row from ``latent``, so the write cannot race
+with it); ``lengths`` (int64, as the model's DecodeState holds them) is an activation read on the device, so one
 compiled kernel serves any lengths in ``0 .. lmax-1``; ``ws_q``, ``ws_ol`` and ``ws_ml`` are scratch: every
-element the kernels read was written by them first in the same call. ``reference`` returns ``out`` and
-``latent`` only: the cache is not written.
+element the kernels read was written by them first in the same call. ``reference`` returns ``out``, ``latent``
+and the updated ``cache`` (bf16: the input cache with the new rows, exact values); the GPU check compares the
+kernel's cache bit for bit with the input cache holding the kernel's own ``latent`` rows (``copied_state``).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ SMS = 132  # H200 SMs
 MAX_HEADS = 32  # two 16-row MMA tiles of heads
 TILE = 64  # cache rows per shared-memory tile (8 per warp of the attention kernel)
 SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may take on the H200
-CTAS_PER_SM = 3  # the default split count aims at this many attention CTAs per SM at full context
 CHUNK_MIN = 256  # default fewest positions per split (four tiles)
+WAVES = 4  # the default split count gives at least this many whole waves of attention CTAs at full context
 
 
 def attention_smem(heads: int, row: int) -> int:
@@ -45,11 +49,26 @@ def attention_smem(heads: int, row: int) -> int:
     return 2 * TILE * (row + 8) * 2 + hp * (row + 8) * 2 + hp * (TILE + 8) * 4
 
 
+def _position(c: dict, length) -> int:
+    """The current token's position in row m: lengths[m] clamped into 0 .. LMAX - 1, as the kernels clamp it
+    (the model never passes others)."""
+    return max(0, min(int(length), c["LMAX"] - 1))
+
+
 def default_splits(bucket: int, lmax: int, chunk_min: int = CHUNK_MIN) -> int:
-    """Most splits per row: enough CTAs to fill the GPU about CTAS_PER_SM times at full context (rows of
-    different lengths leave some CTAs short: more, smaller ones balance the SMs), never more than the context
-    can feed with chunk_min positions each."""
-    return max(1, min(math.ceil(lmax / chunk_min), math.ceil(CTAS_PER_SM * SMS / bucket)))
+    """Most splits per row: at least WAVES waves of attention CTAs (``attention_smem`` leaves room for one per
+    SM) and a whole number of them (the fewest splits with bucket x splits a multiple of SMS), never more than
+    the context can feed with chunk_min positions each.
+
+    Measured on the H200 (2026-11-30): ceil(3 x 132 / bucket) splits left a fourth wave a few CTAs long at
+    batch 8 (400 CTAs: 3.03 waves), a whole CTA time for almost nothing; one wave (132 // bucket splits) streamed
+    equal-length rows with no tail, but rows of different lengths then wait for the longest row's splits (batch
+    8 at random lengths: 118 against 73 us). Several whole waves of smaller CTAs serve both."""
+    most = math.ceil(lmax / chunk_min)
+    s = math.ceil(WAVES * SMS / bucket)
+    while (bucket * s) % SMS:
+        s += 1
+    return max(1, min(most, s))
 
 
 class MlaDecode(Template):
@@ -126,7 +145,7 @@ class MlaDecode(Template):
                 Arg("kv", "bf16", (m, c_dim + r), "act"),
                 Arg("kv_norm_weight", "bf16", (c_dim,), "weight"),
                 Arg("gate", "bf16", (m, h * c["V"]), "act"),
-                Arg("cache", "bf16", (m, c["LMAX"], c_dim + r), "state"),  # read-only here
+                Arg("cache", "bf16", (m, c["LMAX"], c_dim + r), "state"),  # the current token's row written
                 Arg("lengths", "i64", (m,), "act", align=8),
                 Arg("kv_b_weight", "bf16", (h * (c["NOPE"] + c["V"]), c_dim), "weight"),
                 Arg("out", "bf16", (m, h * c["V"]), "out"),
@@ -161,7 +180,10 @@ class MlaDecode(Template):
                 "ws_ml": torch.zeros(m, c["NSPLIT"], h, 2)}
 
     def torch_baseline(self, c, d):
+        """The eager model's MLA decode (models/layers.py), cache write included."""
         from k3compile.models import ops
+
+        rows = torch.arange(c["M"], device=d["cache"].device)
 
         def run():
             kv = d["kv"]
@@ -169,10 +191,13 @@ class MlaDecode(Template):
             d["latent"].copy_(latent)
             d["out"].copy_(ops.mla_decode(d["q"], latent, d["gate"], d["cache"], d["lengths"], d["kv_b_weight"],
                                           c["NOPE"], c["V"], c["SCALE"]))
+            d["cache"].index_put_((rows, d["lengths"]), latent.to(d["cache"].dtype))
         return run
 
     def reference(self, c, inputs):
-        """float64, row by row over the valid positions only (never materializes the whole cache)."""
+        """float64, row by row over the valid positions only (never materializes the whole cache in float64).
+        ``cache``: the input cache (bf16, a copy) with position lengths[m] (clamped) of each row m set to the
+        bf16 latent row, exactly the values written."""
         m, h, nope, r, vd, c_dim = c["M"], c["H"], c["NOPE"], c["R"], c["V"], c["C"]
         kv = inputs["kv"].double()
         x = kv[:, :c_dim]
@@ -184,31 +209,47 @@ class MlaDecode(Template):
         q = inputs["q"].double().view(m, h, nope + r)
         gate = inputs["gate"].double().view(m, h, vd)
         out = torch.empty(m, h, vd, dtype=torch.float64)
+        cache = inputs["cache"].clone()
         for i in range(m):
-            n = int(inputs["lengths"][i])
+            n = _position(c, inputs["lengths"][i])
             rows = torch.cat([inputs["cache"][i, :n].double(), latent[i:i + 1]], dim=0)  # [n+1, C+R]
+            cache[i, n] = latent[i].to(torch.bfloat16)  # bf16-exact values: no rounding
             ql = torch.einsum("hd,hdc->hc", q[i, :, :nope], w_uk)  # [h, C]
             s = (ql @ rows[:, :c_dim].T + q[i, :, nope:] @ rows[:, c_dim:].T) * c["SCALE"]  # [h, n+1]
             p = torch.softmax(s, dim=-1)
             ol = p @ rows[:, :c_dim]  # [h, C]
             o = torch.einsum("hc,hvc->hv", ol, w_uv)
             out[i] = o * torch.sigmoid(gate[i])
-        return {"out": out.reshape(m, h * vd), "latent": latent}
+        return {"out": out.reshape(m, h * vd), "latent": latent, "cache": cache}
+
+    def copied_state(self, c, inputs, outs):
+        """The cache as the kernel must leave it, given its own ``latent`` output: the input cache with position
+        lengths[m] (clamped) of row m replaced by latent[m], bit for bit (the absorb kernel stores the same
+        registers to both). ``latent`` is checked against the float64 reference within 1e-2: its fp32 RMSNorm
+        rounds to the neighbouring bf16 value of the float64 one in rare ties, so the reference's cache row
+        cannot be compared exactly with the kernel's."""
+        cache = inputs["cache"].clone()
+        latent = outs["latent"].detach().cpu()
+        for i in range(c["M"]):
+            cache[i, _position(c, inputs["lengths"][i])] = latent[i]
+        return {"cache": cache}
 
     def kernel_params(self, c):
         # kernels/mla_decode.py: the absorb kernel, the split-context attention kernel, the combine kernel
-        return [["q", "kv", "kv_norm_weight", "kv_b_weight", "latent", "ws_q"],
+        return [["q", "kv", "kv_norm_weight", "cache", "lengths", "kv_b_weight", "latent", "ws_q"],
                 ["q", "cache", "lengths", "latent", "ws_q", "ws_ol", "ws_ml"],
                 ["gate", "lengths", "kv_b_weight", "out", "ws_ol", "ws_ml"]]
 
     def tolerance(self, c):
-        return 1e-2
+        """bf16 outputs: 1e-2. The cache: exact (0.0): one wrong or missing row among the LMAX positions of a
+        row would pass any relative bound of the size of the outputs'."""
+        return {"out": 1e-2, "latent": 1e-2, "cache": 0.0}
 
     def bytes_of(self, c, inputs):
         """``bytes`` with the cache rows the inputs' lengths read: lengths[m] rows of row m (clamped as the kernel
-        clamps them; position lengths[m] is the current token, from ``kv``)."""
+        clamps them; position lengths[m] is the current token, from ``kv``, written not read)."""
         lengths = inputs["lengths"].detach().to("cpu", torch.int64).clamp(0, c["LMAX"] - 1)
-        full = c["M"] * (c["LMAX"] - 1) * (c["C"] + c["R"]) * 2
+        full = c["M"] * (c["LMAX"] - 1) * (c["C"] + c["R"]) * 2  # what bytes() counts as read
         return self.bytes(c) - full + int(lengths.sum()) * (c["C"] + c["R"]) * 2
 
     def flops(self, c):
@@ -220,14 +261,16 @@ class MlaDecode(Template):
 
     def bytes(self, c):
         """Bytes that must move, at full context: the cache rows actually read (LMAX - 1 per row; the
-        current token's row comes from kv) -- the real count is sum over rows of lengths[m] rows --, the
-        weights and activations once, the outputs once; the cache is not written, the scratch not counted."""
+        current token's row comes from kv) -- the real count is sum over rows of lengths[m] rows -- and the
+        row written per row (the current token's), the weights and activations once, the outputs once; the
+        scratch not counted."""
         total = 0
         for a in self.args(c):
             if a.role == "scratch":
                 continue
             if a.name == "cache":
-                total += c["M"] * (c["LMAX"] - 1) * (c["C"] + c["R"]) * 2
+                total += c["M"] * (c["LMAX"] - 1) * (c["C"] + c["R"]) * 2  # read
+                total += c["M"] * (c["C"] + c["R"]) * 2  # written
             else:
                 total += a.nbytes
         return total

@@ -1,5 +1,6 @@
 """Template ``residual_attn_res``: [residual add +] AttnRes read [+ RMSNorm] of decode rows
-(kernel: kernels/residual_attn_res.py).
+(kernel: kernels/residual_attn_res.py; a thread-block cluster of ``cluster`` CTAs per row, see
+``default_cluster``).
 
 Per token row: ``new_prefix = prefix + a`` (ADD), ``out = attn_res(new_prefix, blocks, norm_w, proj_w, eps)``
 (K3 §1.10, ``models.ops.attn_res``), ``y = rms_norm(out, out_norm_w, out_eps)`` (OUT_NORM). It serves
@@ -12,18 +13,20 @@ Per token row: ``new_prefix = prefix + a`` (ADD), ``out = attn_res(new_prefix, b
   (softmax of one source is 1), so ``y = rms_norm(prefix + a)`` and ``new_prefix = prefix + a``.
 
 TP > 1 (``tp``) fuses the one-shot all-reduce of ``a`` into the same kernel (the o_proj / FFN partial sums
-of the ranks): each CTA copies its row of ``a`` into this rank's symmetric buffer ``comm``, raises its
-epoch flag in ``signal`` (release, system scope), waits until every rank's flag (``peer_signal<p>``) has
-reached that epoch, sums the row over ``peer0 .. peer<TP-1>`` (rank order, fp32, rounded to bf16 as the
-bf16 all-reduce result is: every rank gets bit-identical sums) and goes on as above. A second flag
+of the ranks): the row's CTAs copy their slices of ``a`` into this rank's symmetric buffer ``comm``, the
+first raises the row's epoch flag in ``signal`` (release, system scope), all wait until every rank's flag
+(``peer_signal<p>``) has reached that epoch, sum the row over ``peer0 .. peer<TP-1>`` (rank order, fp32,
+rounded to bf16 as the bf16 all-reduce result is: every rank gets bit-identical sums) and go on as above. A second flag
 channel, raised after the peer reads and waited for at the end, keeps a rank from overwriting its buffer
 while a peer still reads it. The flags are monotonic epoch counters (never reset), so CUDA graph replays
 need no reset and a stale flag cannot pass a wait. ``peer<rank>`` is ``comm`` itself. With every peer flag
 pointing at this rank's own pad and the other peers a zero buffer, the same kernel is the identity
 (single-GPU emulation, or after an NCCL all-reduce when one-shot loses): see ``k3compile.comm``.
 
-``proj_weight`` is taken as a flat [D] vector (the checkpoint's [1, D] viewed flat). With nb=0 the AttnRes
-weights are not arguments (nothing reads them).
+The sealed blocks are NB separate ``[M, D]`` arguments ``block0`` .. ``block<NB-1>`` (the runtime passes the
+tensors the graph would ``torch.stack`` into ``[M, NB, D]``, so no stacked copy is made; ``stacked_blocks``
+rebuilds that tensor for references). ``proj_weight`` is taken as a flat [D] vector (the checkpoint's [1, D]
+viewed flat). With nb=0 the AttnRes weights are not arguments (nothing reads them).
 """
 
 from __future__ import annotations
@@ -33,18 +36,29 @@ import torch
 from .base import Arg, Template, const, need
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SMS = 132  # H200 SMs: the default cluster keeps the grid (rows x CTAs per row) within one wave
+MAX_CLUSTER = 8  # portable thread-block cluster size
 MAX_NB = 16
 MAX_THREADS = 512
 TPS = (1, 2, 4, 8, 16)
 
 
+def default_cluster(bucket: int, d: int) -> int:
+    """CTAs per row: the most (up to MAX_CLUSTER) that split the row into multiples of 256 columns while the
+    grid stays within one wave of SMs. One CTA alone reads a 7,168-wide row and its blocks at one SM's
+    bandwidth; a cluster reads it at several."""
+    return max(c for c in range(1, MAX_CLUSTER + 1) if d % (c * 256) == 0 and (c == 1 or bucket * c <= SMS))
+
+
 class ResidualAttnRes(Template):
     name = "residual_attn_res"
     kernel_file = "residual_attn_res.py"
-    doc = "[residual add +] AttnRes read over sealed blocks [+ RMSNorm], one CTA per row, 128-bit loads"
+    doc = ("[residual add +] AttnRes read over sealed blocks [+ RMSNorm], a cluster of CTAs per row (row "
+           "statistics exchanged through DSMEM), 128-bit loads")
 
     def constants(self, *, bucket: int, d: int, nb: int, add: bool = True, has_prefix: bool = True,
-                  out_norm: bool = True, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1) -> list:
+                  out_norm: bool = True, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1,
+                  cluster: int | None = None) -> list:
         need(bucket in BUCKETS, f"residual_attn_res: bucket {bucket} is not one of {BUCKETS}; pad the batch to "
                                 f"the next bucket")
         need(isinstance(d, int) and d > 0 and d % 256 == 0,
@@ -59,8 +73,14 @@ class ResidualAttnRes(Template):
         need(tp == 1 or add, "residual_attn_res: tp > 1 all-reduces the added input a; pass add=True")
         need(eps > 0 and out_eps > 0, f"residual_attn_res: eps={eps} and out_eps={out_eps} must be > 0 "
                                       f"(take them from the model config)")
-        threads = min(MAX_THREADS, d // 8)
-        while (d // 8) % threads:  # d // 8 is a multiple of 32, so this stops at 32 at worst
+        if cluster is None:
+            cluster = default_cluster(bucket, d)
+        need(isinstance(cluster, int) and 1 <= cluster <= MAX_CLUSTER and d % (cluster * 256) == 0,
+             f"residual_attn_res: cluster={cluster} CTAs per row must be in 1..{MAX_CLUSTER} and split d={d} into "
+             f"multiples of 256 columns; leave it unset for the default")
+        ds = d // cluster
+        threads = min(MAX_THREADS, ds // 8)
+        while (ds // 8) % threads:  # ds // 8 is a multiple of 32, so this stops at 32 at worst
             threads -= 32
         return [const("M", bucket, "rows (the batch bucket)"),
                 const("D", d, "row length (hidden size)"),
@@ -70,8 +90,9 @@ class ResidualAttnRes(Template):
                 const("OUT_NORM", bool(out_norm), "y = RMSNorm(out) (else y = out)"),
                 const("EPS", float(eps), "AttnRes key-norm epsilon"),
                 const("OUT_EPS", float(out_eps), "output RMSNorm epsilon"),
-                const("THREADS", threads, "threads per CTA (one row per CTA)"),
-                const("TP", tp, "ranks whose a rows are summed in-kernel (one-shot all-reduce; 1: a as is)")]
+                const("THREADS", threads, "threads per CTA"),
+                const("TP", tp, "ranks whose a rows are summed in-kernel (one-shot all-reduce; 1: a as is)"),
+                const("CL", cluster, "CTAs per row (a thread-block cluster, each CTA owns D / CL columns)")]
 
     def examples(self):
         ex = {}
@@ -89,6 +110,10 @@ class ResidualAttnRes(Template):
         ex["mini_tp4_noprefix_b1"] = {"bucket": 1, "d": 256, "nb": 1, "has_prefix": False, "tp": 4}
         ex["k3tp8_tp8_b8"] = {"bucket": 8, "d": 7168, "nb": 4, "tp": 8}
         ex["k3tp8_tp8_sum_b64"] = {"bucket": 64, "d": 7168, "nb": 0, "out_norm": False, "tp": 8}
+        ex["k3tp8_cl1_b1"] = {"bucket": 1, "d": 7168, "nb": 4, "cluster": 1}  # one CTA per row, for comparison
+        ex["mid_cl4_tp2_b2"] = {"bucket": 2, "d": 1024, "nb": 2, "tp": 2, "cluster": 4}
+        ex["k3tp8_tp2_b1"] = {"bucket": 1, "d": 7168, "nb": 4, "tp": 2}  # TP 2 at K3 width: 7 CTAs per row
+        ex["k3tp8_tp2_b64"] = {"bucket": 64, "d": 7168, "nb": 2, "tp": 2}  # ... and 2
         return ex
 
     def args(self, c):
@@ -99,8 +124,8 @@ class ResidualAttnRes(Template):
         if c["HAS_PREFIX"]:
             out.append(Arg("prefix", "bf16", (m, d), "act"))
         if nb > 0:
-            out += [Arg("blocks", "bf16", (m, nb, d), "act"), Arg("norm_weight", "bf16", (d,), "weight"),
-                    Arg("proj_weight", "bf16", (d,), "weight")]
+            out += [Arg(f"block{b}", "bf16", (m, d), "act") for b in range(nb)]
+            out += [Arg("norm_weight", "bf16", (d,), "weight"), Arg("proj_weight", "bf16", (d,), "weight")]
         if c["OUT_NORM"]:
             out.append(Arg("out_norm_weight", "bf16", (d,), "weight"))
         out.append(Arg("y", "bf16", (m, d), "out"))
@@ -118,7 +143,8 @@ class ResidualAttnRes(Template):
             x["prefix"] = torch.randn(m, d, generator=gen).to(bf)
         if nb > 0:
             scales = 0.5 + 2.0 * torch.rand(nb, generator=gen)  # blocks of different magnitudes
-            x["blocks"] = (torch.randn(m, nb, d, generator=gen) * scales[None, :, None]).to(bf)
+            for b in range(nb):
+                x[f"block{b}"] = (torch.randn(m, d, generator=gen) * scales[b]).to(bf)
             x["norm_weight"] = (1 + 0.1 * torch.randn(d, generator=gen)).to(bf)
             # projection of norm ~1: logits of std ~1, so the softmax really mixes the sources
             x["proj_weight"] = ((0.5 + torch.rand(d, generator=gen)) * torch.randn(d, generator=gen).sign()
@@ -135,7 +161,8 @@ class ResidualAttnRes(Template):
             if c["ADD"]:
                 p = d["a"] if p is None else p + d["a"]
                 d["new_prefix"].copy_(p)
-            out = ops.attn_res(p, d["blocks"], d["norm_weight"], d["proj_weight"], c["EPS"]) if c["NB"] else p
+            blocks = stacked_blocks(c, d) if c["NB"] else None
+            out = ops.attn_res(p, blocks, d["norm_weight"], d["proj_weight"], c["EPS"]) if c["NB"] else p
             d["y"].copy_(ops.rms_norm(out, d["out_norm_weight"], c["OUT_EPS"]) if c["OUT_NORM"] else out)
         return run
 
@@ -156,7 +183,7 @@ class ResidualAttnRes(Template):
         if c["ADD"]:
             res["new_prefix"] = new_prefix
         if c["NB"] > 0:
-            values = torch.cat([inputs["blocks"].double(), new_prefix[:, None, :]], dim=1)  # [M, NB+1, D]
+            values = torch.cat([stacked_blocks(c, inputs).double(), new_prefix[:, None, :]], 1)  # [M, NB+1, D]
             keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + c["EPS"])
             w = inputs["norm_weight"].double() * inputs["proj_weight"].double()
             alpha = torch.softmax((keys * w).sum(-1), dim=-1)
@@ -178,6 +205,11 @@ class ResidualAttnRes(Template):
         if c["OUT_NORM"]:
             f += m * d * 4
         return f
+
+
+def stacked_blocks(c, tensors: dict) -> torch.Tensor:
+    """The ``[M, NB, D]`` blocks tensor of the model (``torch.stack`` of ``block0`` .. ``block<NB-1>``)."""
+    return torch.stack([tensors[f"block{b}"] for b in range(c["NB"])], 1)
 
 
 # --------------------------------------------------------------------------- the fused one-shot all-reduce

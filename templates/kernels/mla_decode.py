@@ -4,8 +4,9 @@
 Semantics (``k3compile.dialect.mla_decode_latent_impl`` / ``models.ops.mla_decode``), per row m and
 local head h:
 
-* ``latent = [bf16(w * bf16(KimiRMSNorm(kv[:, :C]))) | kv[:, C:]]`` (written to the ``latent`` output;
-  the graph copies it into the cache afterwards: these kernels never write the cache);
+* ``latent = [bf16(w * bf16(KimiRMSNorm(kv[:, :C]))) | kv[:, C:]]`` (written to the ``latent`` output and
+  into the cache in place at ``cache[m, lengths[m]]``, the row the model's ``index_put_`` writes: the runtime
+  drops that graph node);
 * ``ql[h] = q_nope[h] @ W_uk[h]`` ([C]), scores over positions p = 0..lengths[m]
   ``s = (ql . c_p + q_pe . kpe_p) * SCALE`` where the row at p = lengths[m] is ``latent`` and earlier
   rows come from the cache, softmax, ``ol = sum_p prob_p c_p`` ([C]), ``o[h] = ol @ W_uv[h]^T`` ([V]),
@@ -15,7 +16,10 @@ Kernel 1 (``absorb_kernel``, grid (H, M), 256 threads): the absorbed query of on
 ``ql = q_nope @ W_uk`` summed in fp32 (the 256 threads split NOPE into DGROUPS interleaved parts and C into
 8-element chunks; the parts meet in shared memory, summed in part order) and rounded once to bf16 into the
 scratch ``ws_q`` [M, H, C]: computed once per (row, head) instead of in every context split. The head-0 CTA of
-a row also builds the latent row and writes it to ``latent``.
+a row also builds the latent row and writes it to ``latent`` and to the cache row at position lengths[m]
+(clamped as the attention kernel clamps it), after its own PDL wait like every other access but weights. No
+race with the attention kernel: it reads only cache positions below lengths[m] (the current token's row it takes
+from ``latent``), and nothing before its PDL wait, which returns once this kernel's writes are visible.
 
 Kernel 2 (``kernel``, grid (NSPLIT, M), 8 warps): flash-decoding split over the context, on the tensor cores.
 Row m has n = lengths[m] + 1 valid positions (read on device); it uses ``nact = min(NSPLIT, ceil(n /
@@ -50,8 +54,10 @@ kernel before them still runs.
 
 Precision: the scores and the weighted sum run on bf16 operands (``ql`` and P rounded to bf16, the cache is
 bf16) with fp32 accumulation, as FlashMLA-style decoders do; the softmax statistics, the partials and the
-combine are fp32. The cache is a decode-state argument but read-only here. Lengths outside [0, LMAX-1] are
-clamped into it (the model never passes them). All shapes are static; only the lengths are runtime values.
+combine are fp32. The cache is decode state, written in place at one position per row (the current token's)
+and otherwise only read. Lengths outside [0, LMAX-1] are clamped into it (the model never passes them): the
+clamped position is both the row written and the current token's position. All shapes are static; only the
+lengths are runtime values.
 """
 
 import operator
@@ -151,7 +157,7 @@ class Kernel:
     def __call__(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mGate: cute.Tensor,
                  mCache: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
                  mLatent: cute.Tensor, mWsQ: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor, stream):
-        self.absorb_kernel(mQ, mKv, mKvNormW, mKvB, mLatent, mWsQ).launch(
+        self.absorb_kernel(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsQ).launch(
             grid=(H, M, 1), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
         self.kernel(cute.recast_tensor(mQ, Uint32), cute.recast_tensor(mCache, Uint32), mLengths,
                     cute.recast_tensor(mLatent, Uint32), cute.recast_tensor(mWsQ, Uint32), mWsOl, mWsMl).launch(
@@ -162,10 +168,15 @@ class Kernel:
 
     # ------------------------------------------------------------------------------------ helpers
     @cute.jit
+    def length_of(self, mLengths: cute.Tensor, row):
+        """lengths[row] clamped into 0 .. LMAX - 1: the current token's position (the cache row written)."""
+        length = Int32(mLengths[row])
+        return cutlass.max(cutlass.min(length, Int32(LMAX - 1)), Int32(0))
+
+    @cute.jit
     def splits_of(self, mLengths: cute.Tensor, row):
         """(clamped length, valid positions n, active splits, positions per split) of one row."""
-        length = Int32(mLengths[row])
-        length = cutlass.max(cutlass.min(length, Int32(LMAX - 1)), Int32(0))
+        length = self.length_of(mLengths, row)
         n = length + 1
         nact = cutlass.min((n + (CHUNK_MIN - 1)) // CHUNK_MIN, Int32(NSPLIT))
         chunk = (n + nact - 1) // nact
@@ -173,8 +184,8 @@ class Kernel:
 
     # --------------------------------------------------------- kernel 1: absorbed query, latent row
     @cute.kernel
-    def absorb_kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mKvB: cute.Tensor,
-                      mLatent: cute.Tensor, mWsQ: cute.Tensor):
+    def absorb_kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
+                      mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsQ: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -208,7 +219,8 @@ class Kernel:
                 rAcc.store(rAcc.load() + rW.load().to(Float32) * qd)
             cute.autovec_copy(rAcc, cute.local_tile(sPart[dg, None], (VEC,), (cc,)))
 
-        if head == 0:  # the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:]
+        if head == 0:  # the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:], to latent and the cache
+            gRow = mCache[row, self.length_of(mLengths, row), None]  # its cache row (never read by kernel 2)
             ss = Float32(0.0)
             if tid < NORM_THREADS:
                 cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (tid,)), rX)
@@ -227,9 +239,11 @@ class Kernel:
                 normed = (rX.load().to(Float32) * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
                 rY.store((normed.to(Float32) * rW.load().to(Float32)).to(BFloat16))
                 cute.autovec_copy(rY, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
+                cute.autovec_copy(rY, cute.local_tile(gRow, (VEC,), (tid,)))
             for r8 in cutlass.range(tid, ROPE_THREADS, ABS_THREADS, unroll=1):
                 cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (NORM_THREADS + r8,)), rX)
                 cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
+                cute.autovec_copy(rX, cute.local_tile(gRow, (VEC,), (NORM_THREADS + r8,)))
 
         cute.arch.sync_threads()
         if tid < CCHUNKS:  # the parts summed in order, rounded once

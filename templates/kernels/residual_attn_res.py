@@ -1,4 +1,4 @@
-"""Residual add + AttnRes read + RMSNorm of decode rows ([M, D] bf16), one CTA per token row.
+"""Residual add + AttnRes read + RMSNorm of decode rows ([M, D] bf16), a cluster of CL CTAs per token row.
 
 Per row m, in this order (each step a compile-time option):
 
@@ -11,35 +11,57 @@ Per row m, in this order (each step a compile-time option):
    ``out = bf16(sum_s alpha_s * v_s)`` with raw (unnormalised) values. With NB = 0, ``out = prefix``.
 3. OUT_NORM: ``y = bf16(bf16(out * rsqrt(mean(out^2) + OUT_EPS)) * out_w)`` (KimiRMSNorm); else ``y = out``.
 
-Threads: each thread owns VEC = 8 consecutive elements per step (one 128-bit load), STEPS = D / (8 *
-THREADS) steps per row. Pass 1 forms the new prefix (kept in registers as fp32) and accumulates, per
-thread, the NB + 1 sums of squares and NB + 1 dot products with the folded weight in registers; ONE block
-reduction of that 2 (NB + 1)-vector (warp butterflies, a [WARPS, NSTAT] shared array, a second butterfly)
-gives every thread all logits, so each thread computes the softmax itself. Pass 2 re-reads the blocks
-(L1/L2 resident: a row is at most 14 KB) and mixes them; with OUT_NORM the mixed row stays in registers for
-one more block reduction (its sum of squares) and the normalised store.
+The sealed blocks come as NB separate ``[M, D]`` tensors (``block0`` ..), so the graph never stacks them
+into one ``[M, NB, D]`` copy before the call.
 
-TP > 1: step 1 first all-reduces ``a`` in-kernel (one-shot, peer loads over NVLink, no multicast). Each
-CTA copies its row of ``a`` into this rank's symmetric buffer ``comm``; thread 0 raises the row's channel-0
-epoch flag (``fence.acq_rel.sys`` + ``atom.add.release.sys``) and warp 0 spins (``ld.acquire.sys``, lane p
-on rank p's flag, all ranks' loads in flight at once) until every rank's channel-0 flag has reached the same
-epoch; the CTA then sums the row over the ranks' buffers in rank
-order (so every rank gets bit-identical sums). After those reads thread 0 raises channel 1, and before the
-kernel ends it waits for every rank's channel 1: no rank overwrites its buffer (next call) while a peer
-still reads it. Epoch counters only grow, so replays of a CUDA graph need no reset and a stale flag never
-passes a wait (comparisons are on the wrapped int32 difference).
+Grid (CL, M): the CL CTAs of row m form a thread-block cluster, CTA r owning columns [r DS, (r + 1) DS) with
+DS = D / CL. One CTA alone reads a 7,168-wide row and its blocks at one SM's bandwidth (3-4 us at batch 1 on
+the H200); CL SMs read it CL times faster. The row's statistics meet through distributed shared memory
+(``cluster_sum``): each CTA block-reduces its partials, thread t < CL stores them into row r of CTA t's
+[CL, n] array (``st.shared::cluster``), a cluster barrier (arrive.release / wait.acquire), and every thread of
+every CTA adds the CL rows in rank order (the same sums everywhere). A relaxed cluster arrive at the start and
+its wait before the first DSMEM store make sure every CTA of the cluster runs before its shared memory is
+written; no DSMEM access follows the last barrier, so a CTA may exit after it.
+
+Threads: each thread owns VEC = 8 consecutive elements per step (one 128-bit load), STEPS = DS / (8 *
+THREADS) steps. A row is a chain of dependent round trips to L2, so the kernel issues every load of its slice
+before any store (a load after a store that may alias it would wait for it): ``a`` and the prefix of all
+steps first, the blocks in pass 1, and the new prefix is stored only after pass 1. Pass 1 forms the new
+prefix (kept in registers, bf16) and accumulates, per thread, the NB + 1 sums of squares and NB + 1 dot
+products with the folded weight; ONE block reduction of that 2 (NB + 1)-vector (warp butterflies, a [WARPS,
+NSTAT] shared array, a second butterfly) and the cluster sum give every thread all logits, so each thread
+computes the softmax itself. Pass 2 re-reads the blocks (L1 hits: pass 1 just loaded them) and mixes them;
+with OUT_NORM the mixed slice stays in registers for one more block and cluster reduction (its sum of
+squares) and the normalised store.
+
+TP > 1: step 1 first all-reduces ``a`` in-kernel (one-shot, peer loads over NVLink, no multicast). Each CTA
+copies its slice of ``a`` into this rank's symmetric buffer ``comm``; after a cluster barrier (every slice of
+the row written) thread 0 of CTA 0 raises the row's channel-0 epoch flag (``fence.acq_rel.sys`` +
+``atom.add.release.sys``; with CL = 1 after a CTA barrier), and warp 0 of every CTA spins (``ld.acquire.sys``,
+lane p on rank p's flag, all ranks' loads in flight at once) until every rank's channel-0 flag has reached
+the row's epoch (the old value, read by every CTA before the barrier, plus one). The CTAs then sum their
+slices over the ranks' buffers in rank order (so every rank gets bit-identical sums). The prefix loads, and
+the block loads where they fit in registers (``UPFRONT``: at most 8 vectors per thread), are issued before
+the exchange and arrive while the flags are polled. Once every CTA has read the peers (the statistics'
+cluster barrier) thread 0 of CTA 0 raises channel 1, and before the grid ends CTA 0 waits for every rank's
+channel 1: no rank overwrites its buffer (next call) while a peer still reads it. Epoch counters only grow,
+so replays of a CUDA graph need no reset and a stale flag never passes a wait (comparisons are on the
+wrapped int32 difference).
 
 Static weights (norm_w * proj_w, out_w) are loaded before ``griddepcontrol_wait``; activations after it.
 ``__call__`` takes the tensors in the order of the template's ``args()`` (absent ones are not passed) and
 hands the kernel a fixed list where absent tensors are ``None``; the kernel never touches them (its
-branches are ``const_expr`` on the same flags).
+branches are ``const_expr`` on the same flags). The kernel's parameters are in ``args()`` order too: the
+memory-ordering audit maps PTX parameters to arguments by position.
 """
 
 import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -53,16 +75,21 @@ EPS = 1e-05  # AttnRes key-norm epsilon
 OUT_EPS = 1e-05  # output RMSNorm epsilon
 THREADS = 32  # threads per CTA (one row per CTA)
 TP = 1  # ranks whose a rows are summed in-kernel (one-shot all-reduce; 1: a as is)
+CL = 1  # CTAs per row (a thread-block cluster, each CTA owns D / CL columns)
 # <<< constants
 
 VEC = 8  # bf16 elements per 128-bit access
 WARPS = THREADS // 32
-STEPS = D // (VEC * THREADS)
+DS = D // CL  # columns of this CTA's slice of the row
+STEPS = DS // (VEC * THREADS)
 NSRC = NB + 1  # AttnRes sources: the sealed blocks, then the prefix
 NSTAT = 2 * NSRC  # per source: sum of squares [0, NSRC), dot with the folded weight [NSRC, 2 NSRC)
 MAX_TP = 16
+MAX_NB = 16
+UPFRONT = TP > 1 and NB * STEPS <= 8  # blocks loaded before the flag exchange (else in pass 1; 4 registers each)
+EXCHANGE = CL > 1 and (NB > 0 or OUT_NORM or TP > 1)  # the cluster's CTAs exchange row statistics / flags
 # Kernel arguments in call order (the template's args(), then the stream).
-ARG_NAMES = ((["a"] if ADD else []) + (["prefix"] if HAS_PREFIX else []) + (["blocks"] if NB > 0 else [])
+ARG_NAMES = ((["a"] if ADD else []) + (["prefix"] if HAS_PREFIX else []) + [f"block{b}" for b in range(NB)]
              + (["norm_weight", "proj_weight"] if NB > 0 else []) + (["out_norm_weight"] if OUT_NORM else [])
              + ["y"] + (["new_prefix"] if ADD else [])
              + (["comm", "signal"] + [f"peer{p}" for p in range(TP)] + [f"peer_signal{p}" for p in range(TP)]
@@ -93,6 +120,41 @@ def block_sum(rVals: cute.Tensor, sRed: cute.Tensor, n: cutlass.Constexpr[int]):
             rVals[j] = cute.arch.warp_reduction(rVals[j], operator.add)
 
 
+@dsl_user_op
+def st_dsmem_f32(addr, rank, value, *, loc=None, ip=None):
+    """``st.shared::cluster.f32``: ``value`` to the shared address ``addr`` (this CTA's layout) of CTA ``rank`` of
+    the cluster (``mapa`` maps the address)."""
+    llvm.inline_asm(res=None, operands_=[Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
+                                         Float32(value).ir_value(loc=loc, ip=ip)],
+                    asm_string=("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
+                                "st.shared::cluster.f32 [ra], $2; }"),
+                    constraints="r,r,f", has_side_effects=True, loc=loc, ip=ip)
+
+
+@cute.jit
+def cluster_sum(rVals: cute.Tensor, sAll: cute.Tensor, rank, n: cutlass.Constexpr[int],
+                first: cutlass.Constexpr[bool]):
+    """Sum each of the n CTA totals in rVals (every thread holds them) over the CL CTAs of the cluster; every
+    thread of every CTA gets the same sums (added in rank order). Thread t < CL stores this CTA's totals into
+    row ``rank`` of CTA t's [CL, n] array ``sAll`` (DSMEM), then a cluster barrier (arrive.release /
+    wait.acquire) and a local read. ``first``: the kernel's first DSMEM access, which waits until every CTA of
+    the cluster runs (the arrive is at the kernel's start)."""
+    tid = cute.arch.thread_idx()[0]
+    if cutlass.const_expr(first):
+        cute.arch.cluster_wait()
+    if tid < CL:
+        base = sAll.iterator.toint() + rank * (n * 4)
+        for j in cutlass.range_constexpr(n):
+            st_dsmem_f32(base + j * 4, tid, rVals[j])
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    for j in cutlass.range_constexpr(n):
+        acc = sAll[0, j]
+        for r in cutlass.range_constexpr(1, CL):
+            acc = acc + sAll[r, j]
+        rVals[j] = acc
+
+
 @cute.jit
 def rms_scale(sum_sq: Float32, eps: Float32) -> Float32:
     """rsqrt(mean(x^2) + eps) of a D-element row from its sum of squares."""
@@ -117,13 +179,13 @@ def attn_res_alpha(rStat: cute.Tensor, rAlpha: cute.Tensor):
 
 
 @cute.jit
-def mix_sources(mRowBlocks: cute.Tensor, prefix, rAlpha: cute.Tensor, rIn: cute.Tensor, i) -> cute.TensorSSA:
-    """bf16(sum_s alpha_s * v_s) of one VEC-chunk (index i): blocks re-read, the prefix from registers.
+def mix_sources(blocks: list, row, prefix, rAlpha: cute.Tensor, rIn: cute.Tensor, i) -> cute.TensorSSA:
+    """bf16(sum_s alpha_s * v_s) of one VEC-chunk (index i): blocks re-read (L1), the prefix from registers.
     Sources are summed in torch's order (blocks 0..NB-1, then the prefix)."""
-    cute.autovec_copy(cute.local_tile(mRowBlocks[0, None], (VEC,), (i,)), rIn)
+    cute.autovec_copy(cute.local_tile(blocks[0][row, None], (VEC,), (i,)), rIn)
     acc = rIn.load().to(Float32) * rAlpha[0]
     for b in cutlass.range_constexpr(1, NB):
-        cute.autovec_copy(cute.local_tile(mRowBlocks[b, None], (VEC,), (i,)), rIn)
+        cute.autovec_copy(cute.local_tile(blocks[b][row, None], (VEC,), (i,)), rIn)
         acc = acc + rIn.load().to(Float32) * rAlpha[b]
     return (acc + prefix * rAlpha[NB]).to(BFloat16)
 
@@ -159,117 +221,154 @@ class Kernel:
     @cute.jit
     def __call__(self, *args):
         t = dict(zip(ARG_NAMES, args[:-1]))
+        blocks = [t.get(f"block{b}") for b in range(MAX_NB)]
         peers = [t.get(f"peer{p}") for p in range(MAX_TP)]
         peer_signals = [t.get(f"peer_signal{p}") for p in range(MAX_TP)]
-        self.kernel(t.get("a"), t.get("prefix"), t.get("blocks"), t.get("norm_weight"), t.get("proj_weight"),
-                    t.get("out_norm_weight"), t["y"], t.get("new_prefix"), t.get("comm"), t.get("signal"),
-                    *peers, *peer_signals).launch(grid=(M, 1, 1), block=(THREADS, 1, 1), stream=args[-1],
-                                           use_pdl=True)
+        self.kernel(t.get("a"), t.get("prefix"), *blocks, t.get("norm_weight"), t.get("proj_weight"),
+                    t.get("out_norm_weight"), t["y"], t.get("new_prefix"), t.get("comm"), t.get("signal"), *peers,
+                    *peer_signals).launch(grid=(CL, M, 1), block=(THREADS, 1, 1),
+                                          cluster=(CL, 1, 1) if CL > 1 else None, stream=args[-1], use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mA, mPrefix, mBlocks, mNormW, mProjW, mOutW, mY: cute.Tensor, mNewPrefix, mComm, mSignal,
+    def kernel(self, mA, mPrefix, mB0, mB1, mB2, mB3, mB4, mB5, mB6, mB7, mB8, mB9, mB10, mB11, mB12, mB13, mB14,
+               mB15, mNormW, mProjW, mOutW, mY: cute.Tensor, mNewPrefix, mComm, mSignal,
                mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15,
                mS0, mS1, mS2, mS3, mS4, mS5, mS6, mS7, mS8, mS9, mS10, mS11, mS12, mS13, mS14, mS15):
         tid = cute.arch.thread_idx()[0]
-        row = cute.arch.block_idx()[0]
+        rank = cute.arch.block_idx()[0]  # this CTA's slice of the row (its rank in the cluster)
+        row = cute.arch.block_idx()[1]
         smem = cutlass.utils.SmemAllocator()
         rIn = cute.make_rmem_tensor((VEC,), BFloat16)
         rIn2 = cute.make_rmem_tensor((VEC,), BFloat16)
         rOut = cute.make_rmem_tensor((VEC,), BFloat16)
+        blocks = [mB0, mB1, mB2, mB3, mB4, mB5, mB6, mB7, mB8, mB9, mB10, mB11, mB12, mB13, mB14, mB15][:NB]
+        peers = [mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15][:TP]
+        peerSignals = [mS0, mS1, mS2, mS3, mS4, mS5, mS6, mS7, mS8, mS9, mS10, mS11, mS12, mS13, mS14,
+                       mS15][:TP]
+        if cutlass.const_expr(EXCHANGE):
+            cute.arch.cluster_arrive_relaxed()  # "this CTA runs": DSMEM stores wait for every CTA's arrival
+        col0 = rank * (DS // VEC) + tid  # 8-element chunk of step 0 (step s: + s * THREADS)
 
         # Static weights, before the dependency wait: the folded AttnRes weight and the output norm weight.
         wMix = []
         wOut = []
         for s in cutlass.range_constexpr(STEPS):
-            i = s * THREADS + tid
+            i = col0 + s * THREADS
             if cutlass.const_expr(NB > 0):
                 cute.autovec_copy(cute.local_tile(mNormW, (VEC,), (i,)), rIn)
                 cute.autovec_copy(cute.local_tile(mProjW, (VEC,), (i,)), rIn2)
                 wMix.append(rIn.load().to(Float32) * rIn2.load().to(Float32))  # exact: bf16 x bf16 fits fp32
             if cutlass.const_expr(OUT_NORM):
-                cute.autovec_copy(cute.local_tile(mOutW, (VEC,), (i,)), rIn)
-                wOut.append(rIn.load().to(Float32))
+                wOut.append(cute.make_rmem_tensor((VEC,), BFloat16))  # bf16: half the registers of fp32
+                cute.autovec_copy(cute.local_tile(mOutW, (VEC,), (i,)), wOut[s])
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
+        # The row's loads before any store: a, the prefix (and the blocks if UPFRONT), all steps.
+        rA, rP, rB = [], [], []
+        for s in cutlass.range_constexpr(STEPS):
+            i = col0 + s * THREADS
+            if cutlass.const_expr(ADD):
+                rA.append(cute.make_rmem_tensor((VEC,), BFloat16))
+                cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rA[s])
+            if cutlass.const_expr(HAS_PREFIX):
+                rP.append(cute.make_rmem_tensor((VEC,), BFloat16))
+                cute.autovec_copy(cute.local_tile(mPrefix[row, None], (VEC,), (i,)), rP[s])
+            if cutlass.const_expr(UPFRONT):
+                for b in cutlass.range_constexpr(NB):
+                    rB.append(cute.make_rmem_tensor((VEC,), BFloat16))
+                    cute.autovec_copy(cute.local_tile(blocks[b][row, None], (VEC,), (i,)), rB[s * NB + b])
+
         # The one-shot all-reduce of a (TP > 1): publish this rank's row, wait for every rank's.
-        peers = [mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15][:TP]
-        peerSignals = [mS0, mS1, mS2, mS3, mS4, mS5, mS6, mS7, mS8, mS9, mS10, mS11, mS12, mS13, mS14,
-                       mS15][:TP]
+        epoch1 = Int32(0)
         if cutlass.const_expr(TP > 1):
             for s in cutlass.range_constexpr(STEPS):
-                i = s * THREADS + tid
-                cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rIn)
-                cute.autovec_copy(rIn, cute.local_tile(mComm[row, None], (VEC,), (i,)))
+                cute.autovec_copy(rA[s], cute.local_tile(mComm[row, None], (VEC,), (col0 + s * THREADS,)))
+            if cutlass.const_expr(CL > 1):
+                # every CTA reads the row's epoch before the barrier below, so before CTA 0 raises it
+                epoch0 = mSignal[0, row] + Int32(1)
+                cute.arch.cluster_wait()  # every CTA of the cluster runs
+                cute.arch.cluster_arrive()  # release: this CTA's slice of comm is written ...
+                cute.arch.cluster_wait()  # ... acquire: every slice is; CTA 0 publishes the row
+                if tid == 0 and rank == 0:
+                    raise_flag(mSignal, 0, row)
+                if tid < 32:
+                    wait_flags(peerSignals, 0, row, epoch0)
+            else:
+                cute.arch.sync_threads()
+                if tid < 32:  # warp 0: thread 0 raises this rank's flag, the warp waits for every rank's
+                    epoch0 = Int32(0)
+                    if tid == 0:
+                        epoch0 = raise_flag(mSignal, 0, row)
+                    wait_flags(peerSignals, 0, row, epoch0)
             cute.arch.sync_threads()
-            if tid < 32:  # warp 0: thread 0 raises this rank's flag, the warp waits for every rank's
-                epoch0 = cutlass.Int32(0)
-                if tid == 0:
-                    epoch0 = raise_flag(mSignal, 0, row)
-                wait_flags(peerSignals, 0, row, epoch0)
-            cute.arch.sync_threads()
+            for s in cutlass.range_constexpr(STEPS):  # the ranks' rows, summed in rank order, rounded as bf16
+                i = col0 + s * THREADS
+                cute.autovec_copy(cute.local_tile(peers[0][row, None], (VEC,), (i,)), rIn)
+                acc = rIn.load().to(Float32)
+                for p in cutlass.range_constexpr(1, TP):
+                    cute.autovec_copy(cute.local_tile(peers[p][row, None], (VEC,), (i,)), rIn)
+                    acc = acc + rIn.load().to(Float32)
+                rA[s].store(acc.to(BFloat16))
 
-        # Pass 1: new prefix (stored, kept in registers) and the per-source statistics.
+        # Pass 1: new prefix (kept in registers) and the per-source statistics of this CTA's slice.
         rStat = cute.make_rmem_tensor((NSTAT,), Float32)
         for j in cutlass.range_constexpr(NSTAT):
             rStat[j] = Float32(0.0)
         prefixVals = []
         for s in cutlass.range_constexpr(STEPS):
-            i = s * THREADS + tid
+            i = col0 + s * THREADS
             if cutlass.const_expr(ADD):
-                if cutlass.const_expr(TP > 1):  # the ranks' rows, summed in rank order, rounded as bf16
-                    cute.autovec_copy(cute.local_tile(peers[0][row, None], (VEC,), (i,)), rIn)
-                    acc = rIn.load().to(Float32)
-                    for p in cutlass.range_constexpr(1, TP):
-                        cute.autovec_copy(cute.local_tile(peers[p][row, None], (VEC,), (i,)), rIn)
-                        acc = acc + rIn.load().to(Float32)
-                    rIn.store(acc.to(BFloat16))
-                else:
-                    cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rIn)
                 if cutlass.const_expr(HAS_PREFIX):
-                    cute.autovec_copy(cute.local_tile(mPrefix[row, None], (VEC,), (i,)), rIn2)
-                    rOut.store((rIn.load().to(Float32) + rIn2.load().to(Float32)).to(BFloat16))
-                else:
-                    rOut.store(rIn.load())
-                cute.autovec_copy(rOut, cute.local_tile(mNewPrefix[row, None], (VEC,), (i,)))
-                prefixVals.append(rOut.load().to(Float32))
+                    rA[s].store((rA[s].load().to(Float32) + rP[s].load().to(Float32)).to(BFloat16))
+                prefixVals.append(rA[s])  # now the new prefix (bf16: half the registers of fp32)
             else:
-                cute.autovec_copy(cute.local_tile(mPrefix[row, None], (VEC,), (i,)), rIn)
-                prefixVals.append(rIn.load().to(Float32))
+                prefixVals.append(rP[s])
             if cutlass.const_expr(NB > 0):
-                p = prefixVals[s]
+                p = prefixVals[s].load().to(Float32)
                 rStat[NB] += (p * p).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                 rStat[NSRC + NB] += (p * wMix[s]).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                 for b in cutlass.range_constexpr(NB):
-                    cute.autovec_copy(cute.local_tile(mBlocks[row, b, None], (VEC,), (i,)), rIn)
-                    v = rIn.load().to(Float32)
+                    if cutlass.const_expr(UPFRONT):
+                        v = rB[s * NB + b].load().to(Float32)
+                    else:
+                        cute.autovec_copy(cute.local_tile(blocks[b][row, None], (VEC,), (i,)), rIn)
+                        v = rIn.load().to(Float32)
                     rStat[b] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                     rStat[NSRC + b] += (v * wMix[s]).reduce(cute.ReductionOp.ADD, Float32(0.0),
                                                             reduction_profile=0)
+        if cutlass.const_expr(ADD):  # the new prefix, stored after every load of pass 1
+            for s in cutlass.range_constexpr(STEPS):
+                cute.autovec_copy(rA[s], cute.local_tile(mNewPrefix[row, None], (VEC,), (col0 + s * THREADS,)))
 
-        epoch1 = cutlass.Int32(0)
-        if cutlass.const_expr(TP > 1):  # done reading the peers' rows: say so now, wait for theirs at the end
-            cute.arch.sync_threads()
-            if tid == 0:
-                epoch1 = raise_flag(mSignal, 1, row)
-
-        # Softmax weights (every thread computes all of them from the reduced statistics).
+        # Softmax weights (every thread computes all of them from the row's statistics).
         rAlpha = cute.make_rmem_tensor((NSRC,), Float32)
         if cutlass.const_expr(NB > 0):
             sStat = smem.allocate_tensor(Float32, cute.make_layout((WARPS, NSTAT)), 16)
             block_sum(rStat, sStat, NSTAT)
+            if cutlass.const_expr(CL > 1):  # also the barrier after every CTA's reads of the peers' rows
+                sAll = smem.allocate_tensor(Float32, cute.make_layout((CL, NSTAT), stride=(NSTAT, 1)), 16)
+                cluster_sum(rStat, sAll, rank, NSTAT, TP == 1)
             attn_res_alpha(rStat, rAlpha)
+        elif cutlass.const_expr(TP > 1 and CL > 1):  # every CTA done reading the peers' rows
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        if cutlass.const_expr(TP > 1):  # done reading the peers' rows: say so now, wait for theirs at the end
+            if cutlass.const_expr(CL == 1):
+                cute.arch.sync_threads()
+            if tid == 0 and rank == 0:
+                epoch1 = raise_flag(mSignal, 1, row)
 
         # Pass 2: mix the sources (blocks re-read), then store y or keep the row for the output norm.
         rSq = cute.make_rmem_tensor((1,), Float32)
         rSq[0] = Float32(0.0)
         outVals = []
         for s in cutlass.range_constexpr(STEPS):
-            i = s * THREADS + tid
+            i = col0 + s * THREADS
             if cutlass.const_expr(NB > 0):
-                out = mix_sources(mBlocks[row, None, None], prefixVals[s], rAlpha, rIn, i)
+                out = mix_sources(blocks, row, prefixVals[s].load().to(Float32), rAlpha, rIn, i)
             else:
-                out = prefixVals[s].to(BFloat16)  # exact: the prefix is bf16
+                out = prefixVals[s].load()
             if cutlass.const_expr(OUT_NORM):
                 o = out.to(Float32)
                 outVals.append(o)
@@ -281,12 +380,14 @@ class Kernel:
         if cutlass.const_expr(OUT_NORM):
             sSq = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 1)), 16)
             block_sum(rSq, sSq, 1)
+            if cutlass.const_expr(CL > 1):
+                sSqAll = smem.allocate_tensor(Float32, cute.make_layout((CL, 1)), 16)
+                cluster_sum(rSq, sSqAll, rank, 1, TP == 1 and NB == 0)
             rstd = rms_scale(rSq[0], Float32(OUT_EPS))
             for s in cutlass.range_constexpr(STEPS):
-                i = s * THREADS + tid
                 normed = (outVals[s] * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
-                rOut.store((normed.to(Float32) * wOut[s]).to(BFloat16))
-                cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (i,)))
+                rOut.store((normed.to(Float32) * wOut[s].load().to(Float32)).to(BFloat16))
+                cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (col0 + s * THREADS,)))
         if cutlass.const_expr(TP > 1):
-            if tid < 32:
+            if tid < 32 and rank == 0:  # one CTA per row: the grid ends only after it
                 wait_flags(peerSignals, 1, row, epoch1)

@@ -3,7 +3,9 @@
 This checks everything of the runtime except the kernels themselves (tests/gpu checks those): that each
 dialect node's binding feeds its kernels the right tensors and returns what the dialect op returns
 (shadow mode: kernels vs the eager op on the same inputs, per node, every step), that the planned
-kernels all ran (launch counters, the coverage proof), padding to the bucket, and the errors.
+kernels all ran (launch counters, the coverage proof), padding to the bucket, the graph rewrites that drop
+state writes a kernel already made, and the errors. Also the comparison the GPU kernel checks use
+(``kernel_check.compare``), on small CPU tensors.
 
 Tolerance: 1e-2 relative per node (bf16 outputs of a float64 reference against the eager op's bf16
 arithmetic; measured at most ~4e-3). Whole-model logits are not compared: on a random-weight k3-mini a
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 import k3compile
-from k3compile import runtime
+from k3compile import kernel_check, runtime
+from k3compile.templates.base import Arg, Point, Template, const
 from cpu import one_thread
 
 SHADOW_TOL = 1e-2
@@ -88,6 +91,29 @@ def test_bindings_name_their_kernels(mini_model):
     assert "check_decode_inputs" not in code, "the input check runs before the step, outside the graph"
     # the KDA kernel updates the state in place: the graph's copy of the new state onto itself is gone
     assert "recurrent" not in "".join(line for line in code.splitlines() if ".copy_(" in line)
+
+
+def test_attn_res_blocks_reach_the_kernels_unstacked(mini_model):
+    """The residual kernels take each sealed block as its own [M, D] tensor: the bound graph keeps no
+    ``torch.stack`` of blocks (one copy launch per residual op in the lowered graph), every residual binding gets
+    a list, and a disabled (eager) op still gets the stacked tensor its eager implementation takes."""
+    lowered = _compile(mini_model, (2,))
+    with one_thread():
+        lowered(torch.tensor([1, 2]), mini_model.new_state(2, 16))
+    d = lowered.dispatchers[-1]
+    stacks = [n for n in d.lowered[2].graph.nodes if n.target is torch.stack]
+    assert len(stacks) >= 24, "the lowered k3-mini graph stacks the AttnRes blocks before each residual op"
+    nodes = list(d.bound[2].gm.graph.nodes)
+    assert not [n for n in nodes if n.target is torch.stack]
+    fed = [n for n in nodes if isinstance(n.target, runtime.Binding)
+           and "blocks" in [a.name for a in n.target.target._schema.arguments]]
+    assert len(fed) == len(stacks) and all(isinstance(runtime._named(n.target.target, n.args, n.kwargs)["blocks"],
+                                                      list) for n in fed)
+    eager = _compile(mini_model, (2,), disable_kernels=("ffn_tail_norm",))
+    with one_thread():
+        eager(torch.tensor([1, 2]), mini_model.new_state(2, 16))
+    kept = [n for n in eager.dispatchers[-1].bound[2].gm.graph.nodes if n.target is torch.stack]
+    assert kept and all(isinstance(u.target, runtime.EagerOp) for n in kept for u in n.users)
 
 
 def test_disabled_kernel_fails_the_coverage_proof_naming_it(mini_model):
@@ -232,9 +258,27 @@ def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
                 for b in (1, 64)}
 
     plain = mla_splits()
-    assert plain[1] != plain[64]
     inv = mla_splits(batch_invariant=True)
     assert inv[1] == inv[64] == plain[1]
+
+
+def test_batch_invariant_specs_take_bucket_1s_splits_and_clusters():
+    """At K3 width and context the MLA decode and the residual kernel tile a row differently per bucket (k3-mini's
+    256-wide rows and short caches do not show it); the batch-invariant lowering gives every bucket bucket 1's."""
+    from k3compile.codegen import batch_invariant_specs
+    from k3compile.templates import get
+
+    def specs(b):
+        return [("mla_decode", dict(bucket=b, heads=12, nope=128, rope=64, v=128, kv_lora=512, lmax=32768,
+                                    kv_eps=1e-6, scale=192 ** -0.5)),
+                ("residual_attn_res", dict(bucket=b, d=7168, nb=4))]
+
+    def tiling(sp):
+        pts = [get(t).point(**p).c for t, p in sp]
+        return pts[0]["NSPLIT"], pts[1]["CL"]
+
+    assert tiling(specs(1)) != tiling(specs(64))
+    assert tiling(batch_invariant_specs(specs(64))) == tiling(specs(1)) == (128, 7)
 
 
 def test_front_gemm_outputs_need_no_input_copies_and_copies_are_counted(mini_model):
@@ -257,3 +301,118 @@ def test_front_gemm_outputs_need_no_input_copies_and_copies_are_counted(mini_mod
         kernel(w=torch.randn(n, kk).to(torch.bfloat16), x=x)
         assert runtime.input_copies() == {f"{kernel.name}:x": 1}
         assert "copy" not in str(runtime.launch_counts())
+
+
+def _mla_caches(model, state) -> list:
+    return [t for layer, t in zip(model.layers, state.layers) if layer.is_mla]
+
+
+def _graph_count(graph, what: str) -> int:
+    """Nodes of ``graph`` that are ``index_put_`` / ``.to`` calls or ``torch.arange``."""
+    if what == "arange":
+        return sum(n.op == "call_function" and n.target is torch.arange for n in graph.nodes)
+    return sum(n.op == "call_method" and n.target == what for n in graph.nodes)
+
+
+def test_mla_kernel_writes_the_cache_and_the_graph_drops_its_index_put(mini_model):
+    """The mla_decode kernel writes the current token's latent row into the cache itself, so the bound graph has
+    no ``index_put_`` left for the MLA layers, nor the ``arange`` and ``.to`` that fed it. With the op disabled
+    (run eagerly: the eager op does not write the cache) they stay. Either way the cache holds the new rows."""
+    n_mla = sum(layer.is_mla for layer in mini_model.layers)
+    assert n_mla == 4
+    for disable, kept in (((), 0), (("mla_decode_latent",), n_mla)):
+        step = _compile(mini_model, (2,), disable_kernels=disable)
+        state = mini_model.new_state(2, 16)
+        with one_thread():
+            step(torch.tensor([1, 2]), state)
+        d = step.dispatchers[-1]
+        lowered, bound = d.lowered[2].graph, d.bound[2].gm.graph
+        assert [_graph_count(lowered, w) for w in ("index_put_", "arange", "to")] == [n_mla] * 3  # the model's
+        assert [_graph_count(bound, w) for w in ("index_put_", "arange", "to")] == [kept] * 3, disable
+        eager = [b for b in d.bound[2].bindings if isinstance(b, runtime.EagerOp)]
+        assert len(eager) == (n_mla if disable else 0)
+        for cache in _mla_caches(mini_model, state):
+            assert (cache != 0).any(-1).nonzero().tolist() == [[0, 0], [1, 0]], disable  # position 0 of both rows
+
+
+def test_dropped_cache_writes_change_nothing(mini_model, monkeypatch):
+    """The bound graph without the MLA ``index_put_`` nodes gives bit for bit the logits and the whole state of
+    the same graph with them (kernels as float64 references: deterministic), step after step, batches below the
+    bucket included (their padding rows write position 0 of their caches, restored after the step). The caches
+    hold rows at exactly the positions eager decoding writes (eager's values differ: see the last test)."""
+    batches = (1, 3, 4, 2)
+
+    def run(drop: bool):
+        with monkeypatch.context() as m:
+            if not drop:
+                m.setattr(runtime, "_drop_cache_writes", lambda graph: None)
+            step = _compile(mini_model, (4,))
+            state = mini_model.new_state(4, 16)
+            with one_thread():
+                logits = [step(torch.arange(1 + i, 1 + i + b), state) for i, b in enumerate(batches)]
+        return step.dispatchers[-1].bound[4].gm.graph, logits, state
+
+    graph, logits, state = run(drop=True)
+    kept_graph, kept_logits, kept_state = run(drop=False)
+    assert _graph_count(graph, "index_put_") == 0 and _graph_count(kept_graph, "index_put_") == 4
+    for a, b in zip(logits, kept_logits):
+        assert torch.equal(a, b)
+    for a, b in zip(state.tensors(), kept_state.tensors()):
+        assert torch.equal(a, b)
+    eager = mini_model.new_state(4, 16)
+    with one_thread():
+        for i, b in enumerate(batches):
+            mini_model.decode(torch.arange(1 + i, 1 + i + b), eager)
+    assert torch.equal(state.lengths, eager.lengths)
+    for got, want in zip(_mla_caches(mini_model, state), _mla_caches(mini_model, eager)):
+        written = (got != 0).any(-1)
+        assert torch.equal(written, (want != 0).any(-1))
+        assert written.sum() == sum(batches)  # one row per token: the padding rows' writes were undone
+
+
+class _StateCopy(Template):
+    """A tiny template for kernel_check.compare: y = 2 x (out), x written into position 0 of each state row."""
+    name = "state_copy"
+    kernel_file = "none.py"
+
+    def args(self, c):
+        return [Arg("x", "bf16", (c["M"], 8), "act"), Arg("state", "bf16", (c["M"], c["L"], 8), "state"),
+                Arg("y", "f32", (c["M"], 8), "out")]
+
+    def reference(self, c, inputs):
+        state = inputs["state"].clone()
+        state[:, 0] = inputs["x"]
+        return {"y": 2 * inputs["x"].double(), "state": state}
+
+    def tolerance(self, c):
+        return {"y": 1e-2, "state": 0.0}
+
+
+def test_kernel_check_compares_in_slices_exactly_when_asked(monkeypatch):
+    """``kernel_check.compare`` sums the float64 error over slices of the leading dimension (a large state is
+    never one float64 copy) and gets the same error as the whole-tensor formula; a bf16 reference is compared
+    in float64; with a tolerance of 0 one wrong row of the state fails, naming how many values differ; NaNs are
+    reported."""
+    point = Point(_StateCopy(), (const("M", 4, "rows"), const("L", 16, "positions")))
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"x": torch.randn(4, 8, generator=gen).to(torch.bfloat16),
+              "state": torch.randn(4, 16, 8, generator=gen).to(torch.bfloat16)}
+    ref = _StateCopy().reference(point.c, inputs)
+    got = {"x": inputs["x"], "y": ref["y"].float() * (1 + 1e-3 * torch.randn(4, 8, generator=gen)),
+           "state": ref["state"].clone()}
+    whole = float((got["y"].double() - ref["y"]).norm() / ref["y"].norm())
+    for chunk in (1, 8, 24, 1 << 24):  # a row per slice, three rows, all at once
+        rel, nans, differ = kernel_check.relative_error(got["y"], ref["y"], chunk)
+        assert rel == pytest.approx(whole, rel=1e-12) and nans == 0 and differ == 32
+    monkeypatch.setattr(kernel_check, "CHUNK", 8)  # compare: one state row per slice
+    res = kernel_check.compare(point, inputs, got)
+    assert res["ok"] and res["errors"]["state"] == 0.0 and res["errors"]["y"] == pytest.approx(whole, rel=1e-12)
+    wrong = got["state"].clone()
+    wrong[2, 5] += 1  # one wrong row of 64: a relative error of ~0.1, far below anything but exactness
+    res = kernel_check.compare(point, inputs, {**got, "state": wrong})
+    assert res["problems"] == ["state: 8 of 512 values differ (exact comparison)"]
+    assert 0 < res["errors"]["state"] < 0.2
+    nan = got["y"].clone()
+    nan[1, 3] = float("nan")
+    res = kernel_check.compare(point, inputs, {**got, "y": nan})
+    assert res["problems"] == ["y: 1 of 32 values NaN (unwritten or invalid)"] and res["errors"]["y"] == float("inf")

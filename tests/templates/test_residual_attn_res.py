@@ -11,6 +11,7 @@ import torch
 
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
+from k3compile.templates.residual_attn_res import stacked_blocks
 from template_checks import compile_examples, rel, rendered_constants
 
 T = get("residual_attn_res")
@@ -27,6 +28,18 @@ def test_examples_cover_the_variants():
     for cfg in ("mini", "k3tp8"):
         for b in (1, 8, 64):
             assert f"{cfg}_b{b}" in EXAMPLES
+    # clusters of every size the K3 buckets take, with and without the all-reduce and the AttnRes statistics
+    assert {(c["CL"], c["TP"] > 1, c["NB"] > 0) for c in pts} >= {(7, False, True), (7, True, True), (4, True, True),
+                                                                  (2, False, False), (2, True, False), (1, False, True)}
+
+
+def test_default_cluster_splits_wide_rows_within_one_wave():
+    from k3compile.templates.residual_attn_res import default_cluster
+    assert [default_cluster(b, 7168) for b in (1, 8, 16, 32, 64)] == [7, 7, 7, 4, 2]
+    assert default_cluster(1, 256) == 1 and default_cluster(64, 512) == 2
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        c = T.point(bucket=b, d=7168, nb=4).c
+        assert c["CL"] * c["M"] <= 132 and 7168 % (c["CL"] * 8 * c["THREADS"]) == 0
 
 
 @pytest.mark.parametrize("label", sorted(EXAMPLES))
@@ -35,7 +48,7 @@ def test_render_deterministic_and_args_match_kernel(label):
     # the kernel unpacks its arguments by ARG_NAMES: it must be exactly args() in order
     p = T.point(**EXAMPLES[label])
     assert env["ARG_NAMES"] == [a.name for a in p.args()]
-    assert env["D"] % (8 * env["THREADS"]) == 0 and env["THREADS"] % 32 == 0 and env["THREADS"] <= 512
+    assert env["D"] % (8 * env["THREADS"] * env["CL"]) == 0 and env["THREADS"] % 32 == 0 and env["THREADS"] <= 512
 
 
 def test_render_differs_per_point():
@@ -53,6 +66,8 @@ def test_render_differs_per_point():
     ({"nb": -1}, "nb=-1"),
     ({"add": False, "has_prefix": False}, "no input"),
     ({"eps": 0.0}, "eps"),
+    ({"cluster": 9}, "cluster=9"),
+    ({"cluster": 3}, "cluster=3"),  # 256 columns do not split into 3 multiples of 256
     ({"out_eps": -1.0}, "eps"),
 ])
 def test_bad_params_raise(bad, what):
@@ -63,13 +78,15 @@ def test_bad_params_raise(bad, what):
 
 def test_args_per_variant():
     names = lambda **kw: [a.name for a in T.point(**{**EXAMPLES["mini_b1"], **kw}).args()]  # noqa: E731
-    assert names() == ["a", "prefix", "blocks", "norm_weight", "proj_weight", "out_norm_weight", "y", "new_prefix"]
-    assert names(add=False, out_norm=False) == ["prefix", "blocks", "norm_weight", "proj_weight", "y"]
+    blocks = ["block0", "block1"]  # mini_b1: nb = 2, one [M, D] tensor per sealed block
+    assert names() == ["a", "prefix", *blocks, "norm_weight", "proj_weight", "out_norm_weight", "y", "new_prefix"]
+    assert names(add=False, out_norm=False) == ["prefix", *blocks, "norm_weight", "proj_weight", "y"]
     assert names(nb=0) == ["a", "prefix", "out_norm_weight", "y", "new_prefix"]
-    assert names(has_prefix=False) == ["a", "blocks", "norm_weight", "proj_weight", "out_norm_weight", "y",
+    assert names(has_prefix=False) == ["a", *blocks, "norm_weight", "proj_weight", "out_norm_weight", "y",
                                        "new_prefix"]
     args = {a.name: a for a in T.point(**EXAMPLES["k3tp8_b8"]).args()}
-    assert args["blocks"].shape == (8, 4, 7168) and args["proj_weight"].shape == (7168,)
+    assert [n for n in args if n.startswith("block")] == ["block0", "block1", "block2", "block3"]
+    assert args["block3"].shape == (8, 7168) and args["proj_weight"].shape == (7168,)
     assert args["y"].role == "out" and args["new_prefix"].role == "out" and args["norm_weight"].role == "weight"
 
 
@@ -78,7 +95,7 @@ def _eager(c: dict, x: dict) -> dict:
     m, d = c["M"], c["D"]
     if c["TP"] > 1:  # what the all-reduce hands the op: the ranks' rows summed, in bf16
         x = {**x, "a": sum(x[f"peer{p}"].double() for p in range(c["TP"])).to(torch.bfloat16)}
-    blocks = x.get("blocks", torch.empty(m, 0, d, dtype=torch.bfloat16))
+    blocks = stacked_blocks(c, x) if c["NB"] else torch.empty(m, 0, d, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(7)  # nb == 0: AttnRes weights are not arguments; any values do
     nw = x.get("norm_weight", (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16))
     pw = x.get("proj_weight", torch.randn(d, generator=gen).to(torch.bfloat16)).reshape(1, d)
@@ -158,7 +175,7 @@ def test_reference_detects_wrong_semantics():
     x = T.random_inputs(c, torch.Generator().manual_seed(1))
     ref = T.reference(c, x)["y"]
     tol = T.tolerance(c)
-    blocks, nw, pw = x["blocks"], x["norm_weight"], x["proj_weight"].reshape(1, -1)
+    blocks, nw, pw = stacked_blocks(c, x), x["norm_weight"], x["proj_weight"].reshape(1, -1)
     new_prefix = x["prefix"] + x["a"]
     wrong = {
         # a uniform mix (logits ignored), the add skipped, the output norm weight dropped, the
@@ -188,18 +205,34 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
     monkeypatch.setenv("K3COMPILE_CACHE", str(tmp_path / "cache"))
     for label, (point, rep, ptx) in compile_examples(T, tmp_path / "out").items():
         c = point.c
+        env = rendered_constants(T, EXAMPLES[label])
         assert rep["spill_store_bytes"] == 0 and rep["spill_load_bytes"] == 0, (label, rep)
         assert rep["registers"] <= 65536 // c["THREADS"], (label, rep)
         assert ".target sm_90a" in ptx, label
         loads, stores = re.findall(r"ld\.global\S*", ptx), re.findall(r"st\.global\S*", ptx)
-        assert loads and all(".v4" in s for s in loads + stores), (label, set(loads + stores))
+        # 128-bit data accesses; a cluster's CTAs read the row's flag epoch once (one 32-bit load)
+        scalar = [s for s in loads + stores if ".v4" not in s]
+        assert loads and scalar == (["ld.global.b32"] if c["TP"] > 1 and c["CL"] > 1 else []), (label, scalar)
         assert "ld.local" not in ptx and "st.local" not in ptx, label
-        steps = c["D"] // (8 * c["THREADS"])
+        steps = c["D"] // (8 * c["THREADS"] * c["CL"])  # per CTA
         # every input is read at least once, every output written exactly once
-        rows_in = sum(c["NB"] if a.name == "blocks" else 1 for a in point.args()
+        rows_in = sum(1 for a in point.args()
                       if a.role != "out" and a.name not in ("comm", "signal") and "peer_signal" not in a.name)
         assert len(loads) >= rows_in * steps, (label, len(loads))
+        # the row's loads are issued before its first store (a load after a possibly aliasing store waits);
+        # with TP > 1 the peers' rows come after the comm store and flag exchange, the blocks too unless UPFRONT
+        early = rows_in if c["TP"] == 1 else rows_in - c["TP"] - (0 if env["UPFRONT"] else c["NB"])
+        before = re.findall(r"ld\.global\S*", ptx[:ptx.index("st.global")])
+        assert len(before) >= early * steps, (label, len(before), early)
         assert len(stores) == (1 + c["ADD"] + (c["TP"] > 1)) * steps, (label, len(stores))  # + the comm row
+        if env["EXCHANGE"]:  # one early relaxed arrive; each exchange: DSMEM stores to every CTA, then a barrier
+            nstores = (2 * (c["NB"] + 1) if c["NB"] else 0) + c["OUT_NORM"]
+            assert ptx.count("st.shared::cluster.f32") == nstores and ptx.count("mapa.shared::cluster") == nstores
+            assert ptx.count("barrier.cluster.arrive.relaxed") == 1, label
+            barriers = (c["NB"] > 0) + c["OUT_NORM"] + (c["TP"] > 1) + (c["TP"] > 1 and not c["NB"])
+            assert ptx.count("barrier.cluster.wait") == barriers + 1, label  # + the "every CTA runs" wait
+        else:
+            assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx, label
         flags = re.findall(r"(?:atom|ld)\.\S*sys\S*", ptx)
         if c["TP"] > 1:  # two flag raises (release, system scope); per channel one acquire spin whose lane p
             # watches rank p (its address chosen among the TP flag pads: one poll covers every rank)
