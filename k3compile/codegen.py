@@ -116,14 +116,20 @@ def _lower_lm_head(node, b, tp):
 
 
 def _lower_situ_linear(node, b, tp):
-    """The situ_glu kernel, then a plain GEMV: SiTU-GLU costs an exp and two tanh per element, and a GEMV
-    prologue would form it once per group of weight rows (N / ROWS times; the dense layer's down-projection,
-    K 4224: 54 us fused against a 14.5 us weight floor at batch 1). situ_glu has the prologue's exact ops, so
-    no bit changes. (The gemv template keeps the fused form, pro="situ", for offline use; no plan takes it.)"""
+    """Below PROLOGUE_SPLIT_BUCKET, where the bf16 input fits the GEMV's shared-memory staging: one GEMV whose
+    prologue forms SiTU-GLU once per CTA into shared memory (gemv STAGE_X). Otherwise the situ_glu kernel, then
+    a plain GEMV: a prologue forming SiTU-GLU in every K step costs an exp and two tanh per element N / ROWS
+    times (the dense layer's down-projection, K 4224: 54 us against a 14.5 us weight floor at batch 1). The
+    prologue and situ_glu run the same ops, so either form gives the same bits (batch invariance holds)."""
+    from .templates.gemv import STAGE_X_BYTES
+
     w = _arg(node, "weight")
     beta, linear_beta = float(_arg(node, "beta")), float(_arg(node, "linear_beta"))
-    return [("situ_glu", dict(bucket=b, k=_shape(w)[1], beta=beta, linear_beta=linear_beta)),
-            _gemv(b, _shape(w)[0], _shape(w)[1], beta=beta, linear_beta=linear_beta)], _PROLOGUE_NOTE
+    n, k = _shape(w)
+    if b < PROLOGUE_SPLIT_BUCKET and b * k * 2 <= STAGE_X_BYTES:
+        return [_gemv(b, n, k, pro="situ", beta=beta, linear_beta=linear_beta)], ""
+    return [("situ_glu", dict(bucket=b, k=k, beta=beta, linear_beta=linear_beta)),
+            _gemv(b, n, k, beta=beta, linear_beta=linear_beta)], _PROLOGUE_NOTE
 
 
 def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps, tp=1):
@@ -235,16 +241,16 @@ class _Uncovered(Exception):
     pass
 
 
-PROLOGUE_SPLIT_BUCKET = 8  # from this bucket a GEMV's RMSNorm prologue is its own kernel (see _split_prologues)
+PROLOGUE_SPLIT_BUCKET = 8  # from this bucket GEMV prologues are kernels (_split_prologues, _lower_situ_linear)
 
 
 def _split_prologues(specs: list, *, rms_norm: bool) -> tuple[list, bool]:
-    """Each GEMV with an RMSNorm prologue as [rms_norm kernel, plain GEMV] when ``rms_norm``. A fused prologue
-    forms xin for every group of weight rows a warp takes (N / ROWS times per element): for RMSNorm a
-    multiply per element (rstd is computed once per CTA), free at batch 1-4 where the weights dominate, but at
+    """Each GEMV with an RMSNorm prologue as [rms_norm kernel, plain GEMV] when ``rms_norm``. Up to batch 4
+    the GEMV forms xin once per CTA in shared memory (gemv STAGE_X). Larger batches do not fit there, and a
+    fused prologue forms xin for every group of weight rows a warp takes (N / ROWS times per element): at
     batch 64 most of the time (measured on the H200 at K3 TP8 shapes: the lm_head 1.52 ms). Computed once it
     costs one small launch; the rms_norm kernel sums a row's squares in another order than the prologue.
-    (SiTU-GLU prologues are never planned: see _lower_situ_linear.)"""
+    (SiTU-GLU prologues: see _lower_situ_linear.)"""
     out, split = [], False
     for t, params in specs:
         if t == "gemv" and params.get("pro") == "rms_norm" and rms_norm and params["k"] % 256 == 0:
@@ -260,8 +266,8 @@ def _split_prologues(specs: list, *, rms_norm: bool) -> tuple[list, bool]:
 def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> tuple[list, str]:
     """(template, params) specs and a note for one dialect node at one (bucket, TP).
 
-    A GEMV's SiTU-GLU prologue, and from bucket PROLOGUE_SPLIT_BUCKET its RMSNorm prologue, runs as its own
-    kernel before a plain GEMV (_split_prologues). ``batch_invariant``: every bucket reduces each row in the
+    From bucket PROLOGUE_SPLIT_BUCKET a GEMV's RMSNorm or SiTU-GLU prologue runs as its own kernel before a
+    plain GEMV (_split_prologues, _lower_situ_linear). ``batch_invariant``: every bucket reduces each row in the
     same order as bucket 1, so RMSNorm prologues stay fused (the rms_norm kernel sums a row's squares in
     another order than the GEMV prologue), GEMVs keep the FMA path (the tensor-core path, from bucket 8,
     permutes K inside each MMA) and moe_gate_up gives each expert's reduction to one warp (at batch 1 it

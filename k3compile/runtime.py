@@ -328,7 +328,7 @@ class Binding:
         return self._normed_gemv(ks, a["weight"], a["h"], a["norm_weight"])["y_f32"]
 
     def _situ_linear(self, a, *ks):
-        if len(ks) == 2:  # the situ_glu kernel, then a plain GEMV (codegen._split_prologues)
+        if len(ks) == 2:  # the situ_glu kernel, then a plain GEMV (codegen._lower_situ_linear)
             return _single(ks[1](w=a["weight"], x=ks[0](gate=a["gate"], up=a["up"])["h"]))
         return _single(ks[0](w=a["weight"], gate=a["gate"], up=a["up"]))
 

@@ -18,6 +18,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROLOGUES = ("none", "rms_norm", "situ")
 SMS = 132  # H200
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
+STAGE_X_BYTES = 64 * 1024  # a prologue's xin (M x K bf16) at most this size is formed once per CTA in shared memory
+SMEM_PER_SM = 200 * 1024  # of the H200's 228 KiB, what staged-xin CTAs may take on one SM together
 
 
 def segment_views(out: torch.Tensor, widths: tuple) -> list[torch.Tensor]:
@@ -44,28 +46,33 @@ MAX_STAGES = 16  # tensor-core path: ring stages at most
 SMEM_BUDGET = 216 * 1024  # bytes of shared memory one CTA of the tensor-core path may take (H200: 227 KiB)
 
 
+def mma_smem(m: int, warps: int, rt: int, stages: int) -> int:
+    """Shared memory of one tensor-core-path CTA: the weight ring (per stage and warp a 32-element slice of the
+    16 * rt rows), whose bytes the fp32 partial sums of every warp reuse after the K loop, and the activation
+    ring (per stage and warp a slice of the m rows)."""
+    return max(stages * warps * 16 * rt * 64, warps * m * 16 * rt * 4) + stages * warps * m * 64
+
+
 def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(warps, row tiles per CTA, ring stages, grid) of the tensor-core path at batch m, W [n, k].
 
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
     accumulators stay <= 128 registers). The warps split each K stage into 32-element slices (8 warps for m <= 16,
-    else 4: the cross-warp reduction buffer grows with m); the ring takes what the shared-memory budget leaves
-    after that buffer (halved when the grid needs two CTAs per SM), at most MAX_STAGES and no more than K has; RT
-    shrinks until the buffer and two stages fit SMEM_BUDGET (the lm_head's 20480 rows)."""
+    else 4: the cross-warp reduction buffer grows with m); the ring is as deep as the shared-memory budget allows
+    (halved when the grid needs two CTAs per SM), at most MAX_STAGES and no more than K has (mma_smem: the
+    reduction reuses the ring's bytes); RT shrinks until two stages fit SMEM_BUDGET (the lm_head's 20480 rows)."""
     nt = m // 8
     warps = 8 if m <= 16 else 4
-
-    def smem(rt, stages):  # fp32 partial sums of every warp + the ring (per warp and stage: a 32-element slice
-        return warps * m * 16 * rt * 4 + stages * warps * (16 * rt + m) * 64  # of every W row and activation row)
-
     rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
-    while rt > 1 and smem(rt, 2) > SMEM_BUDGET:  # a ring of two stages must fit (large N: more waves instead)
+    while rt > 1 and mma_smem(m, warps, rt, 2) > SMEM_BUDGET:  # two stages must fit (large N: more waves instead)
         rt -= 1
     grid = math.ceil(n / (16 * rt))
     kst = math.ceil(k / (32 * warps))
     budget = SMEM_BUDGET // min(2, math.ceil(grid / SMS))
-    stages = max(2, min(MAX_STAGES, kst, (budget - smem(rt, 0)) // (smem(rt, 1) - smem(rt, 0))))
-    return warps, rt, stages, grid
+    stages = min(MAX_STAGES, kst)
+    while stages > 2 and mma_smem(m, warps, rt, stages) > budget:
+        stages -= 1
+    return warps, rt, max(2, stages), grid
 
 
 class Gemv(Template):
@@ -105,7 +112,14 @@ class Gemv(Template):
         unroll = min(ksteps, 4 if m <= 2 else 2 if m <= 8 else 1)  # weight loads in flight per lane
         warps = 8
         tasks = (n // rows) * (m // mb)
-        cap = SMS * (2 if pro == "rms_norm" else 8)  # rms_norm: each CTA recomputes the batch's rstd
+        # A prologue's xin formed once per CTA in shared memory (stage_x) when it fits STAGE_X_BYTES; the grid is
+        # then what is resident at once (each CTA forms xin once). Otherwise rms_norm caps the grid (each CTA
+        # recomputes the batch's rstd) and every K step forms xin again.
+        stage_x = pro != "none" and m * k * 2 <= STAGE_X_BYTES  # (a prologue never takes the tensor-core path)
+        if stage_x:
+            cap = SMS * max(1, min(8, SMEM_PER_SM // (m * k * 2 + 2048)))
+        else:
+            cap = SMS * (2 if pro == "rms_norm" else 8)
         grid = max(1, min(math.ceil(tasks / warps), cap))
         # Tensor cores from batch 8 (plain GEMV: the prologues run as their own kernels there, see
         # codegen._split_prologues): the FMA count grows with M while the bytes do not. mma=False keeps the
@@ -134,7 +148,9 @@ class Gemv(Template):
                 const("RT", rt, "tensor-core path: 16-row tiles of W per CTA"),
                 const("STAGES", stages, "tensor-core path: K stages (32 x WARPS elements each) in flight"),
                 const("SEGMENTS", segments, "bf16 output as consecutive compact [M, w] blocks of these widths "
-                                            "(() : one [M, n - n_f32] row-major output)")]
+                                            "(() : one [M, n - n_f32] row-major output)"),
+                const("STAGE_X", stage_x, "the prologue forms xin once per CTA into shared memory (M x K bf16), "
+                                          "the main loop reads it there")]
 
     def examples(self):
         from k3compile.models.config import get_config

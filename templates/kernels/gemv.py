@@ -27,9 +27,14 @@ safe while the previous kernel still runs; activations are only read after the w
 For M <= 2 this is one warp per weight row streaming at the copy ceiling; for larger M the batch is
 processed MB rows at a time so the accumulators (ROWS x MB) stay in registers without spilling.
 
-RMSNorm prologue: before its tasks, each CTA computes rstd for all M batch rows (its warps split the
-rows; results in shared memory, one barrier). GRID is capped for this variant, so that the redundant
-per-CTA statistics (M x K elements read from L2) stay small next to the weight stream.
+RMSNorm prologue: before its tasks, each CTA computes rstd for all M batch rows, one row after another with
+all of its threads (each sums the squares of its vectors of the row, loaded together; a warp butterfly, then
+the warps' partial sums in warp order through shared memory), so the order does not depend on M.
+With STAGE_X (a prologue, and the M x K bf16 xin fits in shared memory: batch 1 to 4) each CTA then forms
+xin once into shared memory and the main loop reads it there: the prologue's per-element work is done once
+per CTA instead of once per weight row (for SiTU-GLU an exp and two tanh per element), and GRID is capped
+so that every CTA is resident at once (each forms xin once). Without it, xin is formed in every K step, and
+GRID is capped for RMSNorm so that the redundant per-CTA statistics stay small next to the weight stream.
 """
 
 import operator
@@ -60,12 +65,15 @@ MMA = False  # tensor cores (mma.sync; CTA = RT 16-row tiles, K split over the w
 RT = 1  # tensor-core path: 16-row tiles of W per CTA
 STAGES = 1  # tensor-core path: K stages (32 x WARPS elements each) in flight
 SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
+STAGE_X = True  # the prologue forms xin once per CTA into shared memory (M x K bf16), the main loop reads it there
 # <<< constants
 
 VEC = 8  # bf16 per 128-bit load
 THREADS = 32 * WARPS
 KSTEPS = K // (32 * VEC)  # whole K steps of one warp (each covers 256 elements)
 KTAIL = (K % (32 * VEC)) // VEC  # lanes with work in a last, partial K step (0: none)
+NV = K // VEC  # 8-element vectors of one activation row
+VPT = (NV + THREADS - 1) // THREADS  # of them per thread when the CTA sums a row's squares
 MCHUNKS = M // MB
 TASKS = (N // ROWS) * MCHUNKS
 HAS_F32 = N_F32 > 0
@@ -141,31 +149,43 @@ class Kernel:
             flat[idx] = total.to(BFloat16)
 
     @cute.jit
-    def k_step(self, kv, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc):
+    def xin_math(self, rX, rAux, rNw, rstd, rXin):
+        """xin of one 8-element vector from registers into rXin (fp32 holding bf16 values): rX the x (or gate)
+        vector, rAux the up vector (situ), rNw the norm weight's (rms_norm), rstd the row's 1/rms (rms_norm)."""
+        if cutlass.const_expr(PRO == "none"):
+            rXin.store(rX.load().to(Float32))
+        elif cutlass.const_expr(PRO == "rms_norm"):
+            normed = (rX.load().to(Float32) * rstd).to(BFloat16)  # rounded before the weight
+            rXin.store((normed.to(Float32) * rNw.load().to(Float32)).to(BFloat16).to(Float32))
+        else:  # situ
+            g = rX.load().to(Float32)
+            u = rAux.load().to(Float32)
+            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g, fastmath=True))
+            act = Float32(BETA) * cute.math.tanh(g * Float32(1.0 / BETA), fastmath=True) * sig
+            lin = Float32(LINEAR_BETA) * cute.math.tanh(u * Float32(1.0 / LINEAR_BETA), fastmath=True)
+            rXin.store((act * lin).to(BFloat16).to(Float32))
+
+    @cute.jit
+    def k_step(self, kv, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc):
         """One K step of a task: this lane's 8-element vector ``kv`` (index along K) of each of the task's
-        weight rows n0.., times xin of each batch row m0.. of the chunk, accumulated into rAcc."""
+        weight rows n0.., times xin of each batch row m0.. of the chunk (from sXin with STAGE_X), accumulated
+        into rAcc."""
         for r in cutlass.range_constexpr(ROWS):
             cute.copy(wLoad, cute.local_tile(mW[n0 + r, None], (VEC,), (kv,)), rW[r])
         for r in cutlass.range_constexpr(ROWS):
             rWf[r].store(rW[r].load().to(Float32))
-        if cutlass.const_expr(PRO == "rms_norm"):
+        if cutlass.const_expr(PRO == "rms_norm" and not STAGE_X):
             cute.autovec_copy(cute.local_tile(mAux, (VEC,), (kv,)), rNw)
         for b in cutlass.range_constexpr(MB):
             m = m0 + b
-            cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (kv,)), rX)
-            if cutlass.const_expr(PRO == "none"):
+            if cutlass.const_expr(STAGE_X):  # formed by the prologue
+                cute.autovec_copy(cute.local_tile(sXin[m, None], (VEC,), (kv,)), rX)
                 rXin.store(rX.load().to(Float32))
-            elif cutlass.const_expr(PRO == "rms_norm"):
-                normed = (rX.load().to(Float32) * sRstd[m]).to(BFloat16)  # rounded before the weight
-                rXin.store((normed.to(Float32) * rNw.load().to(Float32)).to(BFloat16).to(Float32))
-            else:  # situ
-                cute.autovec_copy(cute.local_tile(mAux[m, None], (VEC,), (kv,)), rAux)
-                g = rX.load().to(Float32)
-                u = rAux.load().to(Float32)
-                sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g, fastmath=True))
-                act = Float32(BETA) * cute.math.tanh(g * Float32(1.0 / BETA), fastmath=True) * sig
-                lin = Float32(LINEAR_BETA) * cute.math.tanh(u * Float32(1.0 / LINEAR_BETA), fastmath=True)
-                rXin.store((act * lin).to(BFloat16).to(Float32))
+            else:
+                cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (kv,)), rX)
+                if cutlass.const_expr(PRO == "situ"):
+                    cute.autovec_copy(cute.local_tile(mAux[m, None], (VEC,), (kv,)), rAux)
+                self.xin_math(rX, rAux, rNw, sRstd[m] if PRO == "rms_norm" else None, rXin)
             for r in cutlass.range_constexpr(ROWS):
                 a = rAcc[r * MB + b]
                 for i in cutlass.range_constexpr(VEC):
@@ -191,8 +211,11 @@ class Kernel:
         rXin = cute.make_rmem_tensor((VEC,), Float32)  # xin of one batch row, 8 elements
         rAcc = cute.make_rmem_tensor((ROWS * MB,), Float32)  # per-lane partial dot products
 
+        tid = cute.arch.thread_idx()[0]
         smem = cutlass.utils.SmemAllocator()
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((M,)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((M, WARPS), stride=(WARPS, 1)), 16)
+        sXin = smem.allocate_tensor(BFloat16, cute.make_layout((M, K) if STAGE_X else (1, VEC), stride=(K, 1)), 16)
 
         # Before waiting on the previous kernel: start pulling this warp's first weight vectors into L2.
         first = cta * WARPS + warp
@@ -202,25 +225,54 @@ class Kernel:
                     gW = cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,), (s * 32 + lane,))
                     cute.arch.prefetch(gW.iterator.llvm_ptr, cache_level="L2")
 
+        # The staged prologue's RMSNorm weight vectors (kv = tid + THREADS * i), a weight, also before the wait.
+        rXs = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VPT)]  # x (or gate) vectors of one row
+        rUs = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VPT)]  # up vectors (situ)
+        rNws = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VPT)]  # norm weight vectors (rms_norm)
+        if cutlass.const_expr(STAGE_X and PRO == "rms_norm"):
+            for i in cutlass.range_constexpr(VPT):
+                if tid + THREADS * i < NV:
+                    cute.autovec_copy(cute.local_tile(mAux, (VEC,), (tid + THREADS * i,)), rNws[i])
+
         cute.arch.griddepcontrol_wait()  # everything below may read the previous kernel's activations
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         if cutlass.const_expr(PRO == "rms_norm"):
-            # rstd of every batch row: warps split the rows, lanes split K, one butterfly per row.
-            for m in cutlass.range(warp, M, WARPS):
+            # rstd of every batch row, one row at a time with the whole CTA: thread tid sums the squares of
+            # vectors tid, tid + THREADS, ... (loaded together), then a warp butterfly and the warps in order.
+            for m in cutlass.range(M, unroll=1):
+                for i in cutlass.range_constexpr(VPT):
+                    if tid + THREADS * i < NV:
+                        cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (tid + THREADS * i,)), rXs[i])
                 ss = Float32(0.0)
-                for s in cutlass.range(KSTEPS):
-                    cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (s * 32 + lane,)), rX)
-                    v = rX.load().to(Float32)
-                    ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                if cutlass.const_expr(KTAIL > 0):
-                    if lane < KTAIL:
-                        cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (KSTEPS * 32 + lane,)), rX)
-                        v = rX.load().to(Float32)
+                for i in cutlass.range_constexpr(VPT):
+                    if tid + THREADS * i < NV:
+                        v = rXs[i].load().to(Float32)
                         ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                 ss = cute.arch.warp_reduction(ss, operator.add)
                 if lane == 0:
-                    sRstd[m] = cute.math.rsqrt(ss / Float32(K) + Float32(EPS))
+                    sPart[m, warp] = ss
+            cute.arch.sync_threads()
+            for m in cutlass.range(tid, M, THREADS, unroll=1):
+                ss = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    ss = ss + sPart[m, w]
+                sRstd[m] = cute.math.rsqrt(ss / Float32(K) + Float32(EPS))
+            cute.arch.sync_threads()
+        if cutlass.const_expr(STAGE_X):  # xin of every batch row, once per CTA (thread tid: the same vectors)
+            for m in cutlass.range(M, unroll=1):
+                if cutlass.const_expr(not (PRO == "rms_norm" and M == 1)):  # (one row: rXs still holds it)
+                    for i in cutlass.range_constexpr(VPT):
+                        if tid + THREADS * i < NV:
+                            cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (tid + THREADS * i,)), rXs[i])
+                            if cutlass.const_expr(PRO == "situ"):
+                                cute.autovec_copy(cute.local_tile(mAux[m, None], (VEC,), (tid + THREADS * i,)),
+                                                  rUs[i])
+                for i in cutlass.range_constexpr(VPT):
+                    if tid + THREADS * i < NV:
+                        self.xin_math(rXs[i], rUs[i], rNws[i], sRstd[m] if PRO == "rms_norm" else None, rXin)
+                        rX.store(rXin.load().to(BFloat16))
+                        cute.autovec_copy(rX, cute.local_tile(sXin[m, None], (VEC,), (tid + THREADS * i,)))
             cute.arch.sync_threads()
 
         for task in cutlass.range(cta * WARPS + warp, TASKS, GRID * WARPS):
@@ -228,11 +280,12 @@ class Kernel:
             m0 = (task % MCHUNKS) * MB  # first batch row of the task
             rAcc.fill(0.0)
             for s in cutlass.range(KSTEPS, unroll=UNROLL):
-                self.k_step(s * 32 + lane, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw, rXin, rAcc)
+                self.k_step(s * 32 + lane, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux, rNw, rXin,
+                            rAcc)
             if cutlass.const_expr(KTAIL > 0):  # K is not a multiple of 256: lanes past its end sit this one out
                 if lane < KTAIL:
-                    self.k_step(KSTEPS * 32 + lane, n0, m0, mW, mX, mAux, sRstd, wLoad, rW, rWf, rX, rAux, rNw,
-                                rXin, rAcc)
+                    self.k_step(KSTEPS * 32 + lane, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux,
+                                rNw, rXin, rAcc)
 
             for r in cutlass.range_constexpr(ROWS):
                 n = n0 + r
@@ -284,7 +337,9 @@ class Kernel:
         and g + 8 of each row tile and of batch row g of each column tile (one 128-bit load each; rows 64
         bytes apart, no bank conflicts); MMA i of the slice takes elements 8t + 4i .. 8t + 4i + 3 as its
         logical k (2t, 2t+1, 2t+8, 2t+9), a permutation of K that a dot product allows. The warps' partial
-        sums meet in shared memory; the output rows are written contiguously along N."""
+        sums meet in shared memory, in the weight ring's bytes once the K loop is done (so the ring is as deep
+        as the shared memory allows, not less the reduction buffer); the output rows are written contiguously
+        along N."""
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         tid = cute.arch.thread_idx()[0]
@@ -297,11 +352,14 @@ class Kernel:
         t = lane % 4
         smem = cutlass.utils.SmemAllocator()
         # row-major: [slot, slice, row, 16 words]; a row's 32 elements of a slice are 64 contiguous bytes
-        sW = smem.allocate_tensor(Uint32, cute.make_layout((STAGES, WARPS, R, 16),
-                                                           stride=(WARPS * R * 16, R * 16, 16, 1)), 16)
+        # the weight ring and, once the K loop is done, the warps' partial sums in the same bytes
+        buf = smem.allocate_tensor(Uint32, cute.make_layout(max(STAGES * WARPS * R * 16, WARPS * M * R)), 16)
+        sW = cute.make_tensor(buf.iterator, cute.make_layout((STAGES, WARPS, R, 16),
+                                                             stride=(WARPS * R * 16, R * 16, 16, 1)))
+        sRed = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=Float32),
+                                cute.make_layout((WARPS, M, R), stride=(M * R, R, 1)))
         sX = smem.allocate_tensor(Uint32, cute.make_layout((STAGES, WARPS, M, 16),
                                                            stride=(WARPS * M * 16, M * 16, 16, 1)), 16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, M, R), stride=(M * R, R, 1)), 16)
         rA = cute.make_rmem_tensor((8 * RT,), Uint32)  # per row tile: rows g, g + 8 (4 words each)
         rB = cute.make_rmem_tensor((4,), Uint32)
         acc = cute.make_rmem_tensor((4 * RT * NT,), Float32)
@@ -339,7 +397,10 @@ class Kernel:
                                                (acc[a], acc[a + 1], acc[a + 2], acc[a + 3]))
                             for j in cutlass.range_constexpr(4):
                                 acc[a + j] = c[j]
-        # C fragment of tile (rt, nt): rows rt*16 + g (+ 8 for j >= 2), batch rows nt*8 + 2t (+ 1 for odd j)
+        # C fragment of tile (rt, nt): rows rt*16 + g (+ 8 for j >= 2), batch rows nt*8 + 2t (+ 1 for odd j),
+        # written over the weight ring once every warp is done reading it
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
         for rt in cutlass.range_constexpr(RT):
             for nt in cutlass.range_constexpr(NT):
                 for j in cutlass.range_constexpr(4):

@@ -123,3 +123,28 @@ def test_manifest_is_json_with_bytes_and_flops(mini_build):
     assert m["arch"] == "sm_90a" and m["tp"] == list(TPS) and m["buckets"] == list(DEFAULT_BUCKETS)
     for k in m["kernels"].values():
         assert k["bytes"] > 0 and k["implements"] and k["arguments"]
+
+
+def test_gemv_prologues_are_fused_up_to_bucket_4_and_kernels_of_their_own_above(mini_codegen):
+    """A SiTU-GLU or RMSNorm GEMV prologue runs inside the GEMV up to bucket 4, where each CTA forms the bf16
+    input once in shared memory (STAGE_X); from bucket 8 it is a kernel of its own before a plain GEMV (an
+    RMSNorm over a row the rms_norm kernel does not take, K % 256 != 0, stays fused and staged where it fits)."""
+    from k3compile.codegen import PROLOGUE_SPLIT_BUCKET
+    from k3compile.templates.gemv import STAGE_X_BYTES
+
+    own = {"situ_linear": "situ_glu", "rms_norm_linear": "rms_norm"}
+    seen = set()
+    for e in mini_codegen.entries:
+        if e.launch not in own or not e.kernels:
+            continue
+        pts = [mini_codegen.points[n] for n in e.kernels]
+        gemv = pts[-1].c
+        assert pts[-1].template.name == "gemv", e
+        if len(pts) == 1:  # fused
+            assert gemv["PRO"] != "none" and gemv["STAGE_X"] == (gemv["M"] * gemv["K"] * 2 <= STAGE_X_BYTES), e
+            assert e.bucket < PROLOGUE_SPLIT_BUCKET or (e.launch == "rms_norm_linear" and gemv["K"] % 256), e
+        else:
+            assert [p.template.name for p in pts] == [own[e.launch], "gemv"] and gemv["PRO"] == "none", e
+            assert e.bucket >= PROLOGUE_SPLIT_BUCKET, e
+        seen.add((e.launch, len(pts)))
+    assert ("situ_linear", 1) in seen and ("situ_linear", 2) in seen, seen

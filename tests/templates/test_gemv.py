@@ -13,7 +13,7 @@ import torch
 from k3compile import build
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import MAX_STAGES, SMEM_BUDGET, SMS, mma_split, segmented
+from templates.gemv import MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, mma_split, segmented
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -30,7 +30,9 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
         if c["MMA"]:  # about one CTA per SM, every CTA inside the shared-memory budget
             assert c["GRID"] == -(-c["N"] // (16 * c["RT"])), label
             assert c["GRID"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap forces more
-            smem = c["WARPS"] * (c["M"] * 16 * c["RT"] * 4 + c["STAGES"] * (16 * c["RT"] + c["M"]) * 64)
+            # the fp32 partial sums reuse the weight ring's bytes after the K loop
+            smem = c["WARPS"] * (max(c["M"] * 16 * c["RT"] * 4, c["STAGES"] * 16 * c["RT"] * 64)
+                                 + c["STAGES"] * c["M"] * 64)
             assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= MAX_STAGES, label
     assert not T.point(**{**EXAMPLES["k3tp8_b64"], "mma": False}).c["MMA"]  # codegen --batch-invariant
     with pytest.raises(TemplateError, match="mma=True needs"):
@@ -46,9 +48,25 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
     for m in (8, 16, 32, 64):
         for n, k in shapes:
             warps, rt, stages, grid = mma_split(m, n, k)
-            smem = warps * (m * 16 * rt * 4 + stages * (16 * rt + m) * 64)
+            smem = warps * (max(m * 16 * rt * 4, stages * 16 * rt * 64) + stages * m * 64)
             assert smem <= SMEM_BUDGET and 2 <= stages <= MAX_STAGES and rt * m // 8 <= 32, (m, n, k, rt, stages)
             assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
+
+
+def test_prologue_input_is_staged_in_shared_memory_when_it_fits():
+    """With a prologue, xin (M x K bf16) is formed once per CTA in shared memory when it fits STAGE_X_BYTES, and
+    then every CTA of the grid is resident at once (each forms it once); examples take both forms."""
+    forms = set()
+    for label in EXAMPLES:
+        c = _point(label).c
+        staged = c["PRO"] != "none" and c["M"] * c["K"] * 2 <= STAGE_X_BYTES
+        assert c["STAGE_X"] == staged, label
+        if staged:
+            per_sm = min(8, SMEM_PER_SM // (c["M"] * c["K"] * 2 + 2048))
+            assert c["GRID"] <= SMS * per_sm and -(-c["GRID"] // SMS) * (c["M"] * c["K"] * 2) <= SMEM_PER_SM, label
+        if c["PRO"] != "none":
+            forms.add((c["PRO"], staged))
+    assert forms == {("rms_norm", True), ("rms_norm", False), ("situ", True), ("situ", False)}, forms
 
 
 def test_examples_cover_the_required_labels():
@@ -156,10 +174,12 @@ def _simulate(c, inputs):
 
 def _simulate_mma(c, inputs):
     """The tensor-core path's split: CTA = R = 16*RT rows (the last CTA clamps its loads to row N-1 and writes
-    only rows < N); K goes in stages of KB = 32*WARPS elements (CTA c from stage c*KST/GRID on, wrapping
-    around), warp w taking the 32-element slice w of each stage (none past K); in a slice lane (g, t) holds elements 8t..8t+7 and MMA i takes elements 8t+4i..8t+4i+3
-    of every lane (logical k 2t, 2t+1 <- 8t+4i, +1; 2t+8, 2t+9 <- 8t+4i+2, +3), rows g / g+8 of each row tile,
-    batch row g of each column tile; the warps' partial sums are added in warp order."""
+    only rows < N); K goes in stages of KB = 32*WARPS elements, warp w taking the 32-element slice w of each
+    stage (none past K; the CTA's starting stage only changes the order); in a slice lane (g, t) holds elements
+    8t..8t+7 and MMA i takes elements 8t+4i..8t+4i+3 of every lane (logical k 2t, 2t+1 <- 8t+4i, +1; 2t+8,
+    2t+9 <- 8t+4i+2, +3), rows g / g+8 of each row tile, batch row g of each column tile; the warps' partial
+    sums are added in warp order. Each warp's K elements are gathered from the MMAs it runs, so every K element
+    must land in exactly one MMA of one warp."""
     M, N, K, NF, W = c["M"], c["N"], c["K"], c["N_F32"], c["WARPS"]
     R, kb = 16 * c["RT"], 32 * W
     xin = T.xin(c, inputs).float()
@@ -167,27 +187,20 @@ def _simulate_mma(c, inputs):
     y = torch.full((M, N), float("nan"))
     writes = torch.zeros(M, N, dtype=torch.int64)
     covered = torch.zeros(K, dtype=torch.int64)
-    kst = -(-K // kb)
+    warp_ks = []
+    for warp in range(W):
+        ks = [stage * kb + 32 * warp + 8 * t + 4 * i + e for stage in range(-(-K // kb)) if stage * kb + 32 * warp < K
+              for i in range(2) for t in range(4) for e in range(4)]  # one MMA: K = 16 = 4 lanes x (2 + 2)
+        warp_ks.append(torch.tensor(ks, dtype=torch.int64))
+        covered[warp_ks[-1]] += 1
+    assert bool((covered == 1).all()), "every K element in exactly one MMA of one warp"
     for cta in range(c["GRID"]):
         rows = torch.clamp(torch.arange(cta * R, cta * R + R), max=N - 1)
-        acc = torch.zeros(W, R, M)
-        for i in range(kst):  # CTA c starts at stage c * KST / GRID and wraps around
-            stage = (i + cta * kst // c["GRID"]) % kst
-            for warp in range(W):
-                k0 = stage * kb + 32 * warp
-                if k0 >= K:
-                    continue
-                for i in range(2):  # one MMA: K = 16 = 4 lanes x (2 + 2) elements
-                    ks = torch.tensor([k0 + 8 * t + 4 * i + e for t in range(4) for e in range(4)])
-                    acc[warp] += w[rows][:, ks] @ xin[:, ks].T
-                    if cta == 0:
-                        covered[ks] += 1
-        for r in range(R):
-            n = cta * R + r
-            if n < N:
-                y[:, n] = acc[:, r, :].sum(0)
-                writes[:, n] += 1
-    assert bool((covered == 1).all()), "every K element in exactly one MMA of one warp"
+        acc = torch.stack([w[rows][:, ks] @ xin[:, ks].T for ks in warp_ks])  # [W, R, M]
+        n = torch.arange(cta * R, cta * R + R)
+        keep = n < N
+        y[:, n[keep]] = acc.sum(0)[keep].T
+        writes[:, n[keep]] += 1
     return {"y_f32": y[:, :NF], "y_bf16": y[:, NF:].to(torch.bfloat16)}, writes
 
 
