@@ -112,9 +112,10 @@ class Gemv(Template):
         unroll = min(ksteps, 4 if m <= 2 else 2 if m <= 8 else 1)  # weight loads in flight per lane
         warps = 8
         tasks = (n // rows) * (m // mb)
-        # A prologue's xin formed once per CTA in shared memory (stage_x) when it fits STAGE_X_BYTES; the grid is
-        # then what is resident at once (each CTA forms xin once). Otherwise rms_norm caps the grid (each CTA
-        # recomputes the batch's rstd) and every K step forms xin again.
+        # A prologue's xin formed once per CTA in shared memory (stage_x) when it fits STAGE_X_BYTES; the grid
+        # then stays within what shared memory lets be resident (up to 8 CTAs per SM; registers may allow fewer;
+        # a cap of 4 per SM measured slower at batch 1). Otherwise rms_norm caps the grid (each CTA recomputes
+        # the batch's rstd) and every K step forms xin again.
         stage_x = pro != "none" and m * k * 2 <= STAGE_X_BYTES  # (a prologue never takes the tensor-core path)
         if stage_x:
             cap = SMS * max(1, min(8, SMEM_PER_SM // (m * k * 2 + 2048)))

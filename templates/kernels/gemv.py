@@ -32,9 +32,9 @@ all of its threads (each sums the squares of its vectors of the row, loaded toge
 the warps' partial sums in warp order through shared memory), so the order does not depend on M.
 With STAGE_X (a prologue, and the M x K bf16 xin fits in shared memory: batch 1 to 4) each CTA then forms
 xin once into shared memory and the main loop reads it there: the prologue's per-element work is done once
-per CTA instead of once per weight row (for SiTU-GLU an exp and two tanh per element), and GRID is capped
-so that every CTA is resident at once (each forms xin once). Without it, xin is formed in every K step, and
-GRID is capped for RMSNorm so that the redundant per-CTA statistics stay small next to the weight stream.
+per CTA instead of once per weight row (for SiTU-GLU an exp and two tanh per element), and GRID stays within
+what shared memory lets be resident at once. Without it, xin is formed in every K step, and GRID is capped
+for RMSNorm so that the redundant per-CTA statistics stay small next to the weight stream.
 """
 
 import operator
@@ -225,7 +225,8 @@ class Kernel:
                     gW = cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,), (s * 32 + lane,))
                     cute.arch.prefetch(gW.iterator.llvm_ptr, cache_level="L2")
 
-        # The staged prologue's RMSNorm weight vectors (kv = tid + THREADS * i), a weight, also before the wait.
+        # The CTA-wide prologue's registers (thread tid: vectors kv = tid + THREADS * i of a row); the staged
+        # RMSNorm weight vectors, a weight, are loaded before the wait.
         rXs = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VPT)]  # x (or gate) vectors of one row
         rUs = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VPT)]  # up vectors (situ)
         rNws = [cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(VPT)]  # norm weight vectors (rms_norm)

@@ -55,7 +55,7 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
 
 def test_prologue_input_is_staged_in_shared_memory_when_it_fits():
     """With a prologue, xin (M x K bf16) is formed once per CTA in shared memory when it fits STAGE_X_BYTES, and
-    then every CTA of the grid is resident at once (each forms it once); examples take both forms."""
+    then the grid stays within what shared memory lets be resident at once; examples take both forms."""
     forms = set()
     for label in EXAMPLES:
         c = _point(label).c
