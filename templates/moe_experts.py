@@ -28,8 +28,8 @@ MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
 DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 where 8 leave too little smem)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
-WIDE_WARPS = 12  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
-# 16 need more than the 128 registers a thread then has)
+WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
+# 128 registers a thread, no spill since the staged activations are stored in pair order)
 XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in shared memory up to this size
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
@@ -194,7 +194,7 @@ class MoeGateUp(_RoutedExperts):
                 const("WARPS", wpc, "warps per CTA"),
                 const("KSPLIT", ksplit, "warps sharing one task (they split its reduction); WARPS / KSPLIT tasks "
                                         "per CTA at a time"),
-                const("CTAS", ctas, "persistent CTAs (tasks are strided over their task slots)"),
+                const("CTAS", ctas, "persistent CTAs (task t runs on CTA t % CTAS)"),
                 const("OCC", occ, "CTAs per SM (register budget: 65536 / (OCC * THREADS))"),
                 const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)"),
                 const("XSTAGE", xstage, "every token's activations staged in shared memory once per CTA (else "

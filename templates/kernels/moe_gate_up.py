@@ -21,20 +21,23 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    scan over E experts gives each active expert its start in a list of (token, slot) pairs, and a scatter
    fills the list. Each distinct expert is then read and decoded once per step, however many tokens
    picked it (the order inside a group only decides an MMA column, never a sum order).
-3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), strided over the task slots of the
-   CTAs: a slot is KSPLIT warps (1; 2 or 4 while there are fewer tasks than warps, 4 at batch 1 at K3 TP8
-   shapes; they split the reduction and meet in shared memory behind a named barrier per slot). Tokens of the group are the
+3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), task t on CTA t % CTAS in its task
+   slot (t // CTAS) % SLOTS: a last round of fewer than CTAS * SLOTS tasks is spread over all CTAs (SMs)
+   instead of filling the first CTAs' slots while the rest idle. A slot is KSPLIT warps (1; 2 or 4 while
+   there are fewer tasks than warps, 4 at batch 1 at K3 TP8 shapes; they split the reduction and meet in
+   shared memory behind a named barrier per slot). Tokens of the group are the
    MMA N dimension (8 per ``mma.sync.m16n8k16``, bf16 in, fp32 accumulate), rows the M dimension. In a
    k-step a quad (lanes 4g..4g+3) covers 4 MX blocks, lane t of the quad loading block 4*step + t of rows
    g and g+8, so every weight byte is loaded by one lane, coalesced. The loads are ``cp.async`` copies into
    a per-warp ring of STAGES k-steps in shared memory (16-byte weight copies, the 4-byte word of the four
    blocks' scales and, without XSTAGE, the step's activations of the lane's token; with XSTAGE, up to
-   64 KB of activations, every token's row is staged in shared memory once per CTA instead: batch 2 to 8 at
-   K3 shapes, one CTA of 12 warps per SM): STAGES - 1 steps are in flight while one is decoded,
+   64 KB of activations, every token's row is staged in shared memory once per CTA instead, by cp.async
+   copies issued before the routing phase so they land while the warps select: batch 1 to 8 at K3 shapes, from
+   batch 2 one CTA of 12 warps per SM): STAGES - 1 steps are in flight while one is decoded,
    without holding registers (register-held double buffering left too few bytes in flight at batch 1). A
    lane reads back only what it copied itself, so the ring needs no barrier. The k order inside an MMA is
    permuted (codes j and j+4 of a word form one bf16 pair; the activations are paired the same way with
-   byte permutes), which a dot product allows. Decode (moe_lib.block_mma): two shifts and a LOP3 per pair
+   byte permutes, once when they are staged with XSTAGE, else in every k-step), which a dot product allows. Decode (moe_lib.block_mma): two shifts and a LOP3 per pair
    give e2m1 * 2**-126 as bf16 (subnormals exact), one packed bf16 multiply by 2**(s-1) makes it the
    dequantised weight; a second multiply by 2**(s-128) is needed when s > 128 (block scales of 4 and more):
    the k-steps run without it and, if any lane of the warp met such a byte, the task's k-steps run again with
@@ -48,7 +51,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, routing_weight,
+from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, pair_x8, routing_weight,
                                                  scale_big, select_topk, sigmoid)
 
 # >>> constants
@@ -144,6 +147,35 @@ class Kernel:
                 mWts[m, lane] = w
 
     @cute.jit
+    def stage_x(self, mZq: cute.Tensor, sX: cute.Tensor, tid):
+        """With XSTAGE: every token's activations into sX by cp.async (16 bytes per copy, one commit group), issued
+        before the routing phase so the copies travel while the warps select; waited for before the barrier
+        ahead of grouping."""
+        if cutlass.const_expr(XSTAGE):
+            big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
+                                      num_bits_per_copy=128)
+            for v in cutlass.range(tid, M * (L // 8), THREADS, unroll=1):
+                m = v // (L // 8)
+                c = v % (L // 8)
+                cute.copy(big, cute.local_tile(mZq[m, None], (4,), (c,)), cute.local_tile(sX[m, None], (4,), (c,)))
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def pair_staged(self, sX: cute.Tensor, tid):
+        """The 16-byte chunks this thread staged (stage_x), rewritten in the decode's pair order (moe_lib.pair_x8)
+        once, so the k-steps read paired activations instead of permuting them in every step. A thread reads only
+        what its own cp.async copies wrote (after its cp_async_wait_group), so no barrier is needed before."""
+        for v in cutlass.range(tid, M * (L // 8), THREADS, unroll=1):
+            m = v // (L // 8)
+            c = v % (L // 8)
+            r = cute.make_rmem_tensor((4,), Uint32)
+            cute.autovec_copy(cute.local_tile(sX[m, None], (4,), (c,)), r)
+            pw = pair_x8([r[0], r[1], r[2], r[3]])
+            for j in cutlass.range_constexpr(4):
+                r[j] = pw[j]
+            cute.autovec_copy(r, cute.local_tile(sX[m, None], (4,), (c,)))
+
+    @cute.jit
     def issue_step(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor,
                    mZq: cute.Tensor, e, row0, g, t, tok, valid, step, sW: cute.Tensor, sS: cute.Tensor, lane):
         """cp.async of this lane's share of k-step ``step`` into one ring stage (sW [XCH, 32, 4] words, sS [4, 32]):
@@ -209,8 +241,8 @@ class Kernel:
                            4 * (ks + i * KSPLIT) + t, rW, rS, rX)
             if cutlass.const_expr(not second):
                 big = big | scale_big(rS[0], rS[1], rS[2], rS[3])
-            block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second)  # gate: W1 rows g, g + 8
-            block_mma(rW, 8, rS[2], rS[3], rX, acc, 4, second)  # up: W3 rows g, g + 8
+            block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second, XSTAGE)  # gate: W1 rows g, g + 8
+            block_mma(rW, 8, rS[2], rS[3], rX, acc, 4, second, XSTAGE)  # up: W3 rows g, g + 8
         return big
 
     @cute.kernel
@@ -236,6 +268,7 @@ class Kernel:
         if cutlass.const_expr(ROUTED):  # moe_route selected: its ids (and, through it, z) are ready after the wait
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+            self.stage_x(mZq, sX, tid)
             for p in cutlass.range(tid, P, THREADS, unroll=1):
                 sIds[p] = mIds[p // TOPK, p % TOPK]
         else:
@@ -246,6 +279,7 @@ class Kernel:
                     rBias[i] = mBias[lane + 32 * i]
             cute.arch.griddepcontrol_wait()  # logits and z come from the previous kernels
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+            self.stage_x(mZq, sX, tid)  # in flight while the warps select
 
             # each warp's next token's logits are loaded while it selects the current one
             rLog = cute.make_rmem_tensor((EPL,), Float32)
@@ -255,11 +289,9 @@ class Kernel:
                 rCur.store(rLog.load())
                 self.load_logits(mLogits, rLog, lane, m + WARPS)
                 self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
-        if cutlass.const_expr(XSTAGE):  # stage the tokens' activations (visible after group_pairs' barriers)
-            for v in cutlass.range(tid, M * (L // 8), THREADS, unroll=1):
-                m = v // (L // 8)
-                c = v % (L // 8)
-                cute.autovec_copy(cute.local_tile(mZq[m, None], (4,), (c,)), cute.local_tile(sX[m, None], (4,), (c,)))
+        if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed: put them in pair order
+            cute.arch.cp_async_wait_group(0)
+            self.pair_staged(sX, tid)
         cute.arch.sync_threads()
         n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
 
@@ -272,7 +304,9 @@ class Kernel:
         rW = cute.make_rmem_tensor((16,), Uint32)  # W1 g, W1 g+8, W3 g, W3 g+8
         rS = cute.make_rmem_tensor((4,), Uint32)
         n_my = (STEPS - ks + KSPLIT - 1) // KSPLIT  # this warp's k-steps: ks, ks + KSPLIT, ...
-        for task in cutlass.range(bid * SLOTS + slot, n_active * RT, CTAS * SLOTS, unroll=1):
+        # task t: CTA t % CTAS, slot (t // CTAS) % SLOTS, so a last round short of CTAS * SLOTS tasks is spread
+        # over every CTA (every SM) rather than filling the first CTAs' slots while the others sit idle
+        for task in cutlass.range(slot * CTAS + bid, n_active * RT, CTAS * SLOTS, unroll=1):
             a = task // RT
             row0 = (task % RT) * 16
             e = sAct[a]
