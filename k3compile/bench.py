@@ -81,7 +81,8 @@ class Row:
     us_per_step: float = float("nan")
     launches: int = -1
     floor_us: float = float("nan")
-    extra_mem_mb: float = float("nan")
+    extra_mem_mb: float = float("nan")  # beyond weights and state (k3compile: relaid expert weights excluded)
+    relaid_mb: float = 0.0  # k3compile: weights kept in a kernel's own layout beside the model's (runtime.relaid_bytes)
     note: str = ""
     kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us", "exposed_us"}] per step
     input_copies: int = -1  # k3compile: torch copies of strided kernel inputs per step (runtime.input_copies)
@@ -261,7 +262,9 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                             # system patches the model (eager-bf16) or captures it, outside its extra memory
                             floors[ctx, b] = _floor_us(None, model, state, ids, tp, b, ctx, bw)
                             state.lengths.fill_(ctx)
-                        mem0 = torch.cuda.memory_allocated()
+                        from . import runtime
+
+                        mem0, relaid0 = torch.cuda.memory_allocated(), runtime.relaid_bytes()
                         fn, lowered = _system(system, model, state, ids, b, package, stack)
                         fn()  # compiles (k3compile, Inductor), warms up
                         if (ctx, b) not in floors:
@@ -272,13 +275,13 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                         row.us_per_step = _time_steps(fn, steps, reset=lambda: state.lengths.fill_(ctx),
                                                       room=cap - ctx - 8)
                         row.launches, row.kernels = _profile_kernels(fn)
+                        relaid = runtime.relaid_bytes() - relaid0  # made by this row (kept with the weights)
                         if system.startswith("k3compile"):
-                            from . import runtime
-
                             runtime.reset_launch_counts()
                             fn()
                             row.input_copies = sum(runtime.input_copies().values())
-                        row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
+                            row.relaid_mb = runtime.relaid_bytes() / 2**20
+                        row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0 - relaid) / 2**20
                     except Exception as e:  # a baseline that cannot run is reported, not hidden
                         row.note = _note(e)
                 if tp > 1:
@@ -518,7 +521,8 @@ def per_layer(rows: list[Row]) -> list[dict]:
 def _fmt(r: Row) -> str:
     return (f"{r.config:<10} L{r.layers:<3} tp{r.tp} ctx {r.context:>6} b{r.bucket:<3} {r.system:<16} "
             f"{r.us_per_step:>10.1f} us  floor {r.floor_us:>8.1f} us  x{r.x_floor:>6.2f}  launches {r.launches:>5}  "
-            f"+mem {r.extra_mem_mb:>8.1f} MB  {r.note}")
+            f"+mem {r.extra_mem_mb:>8.1f} MB  " + (f"(+{r.relaid_mb:.0f} MB relaid weights) " if r.relaid_mb else "")
+            + r.note)
 
 
 def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:

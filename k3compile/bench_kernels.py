@@ -53,8 +53,8 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         if timing and row["ok"]:
             try:
                 sets = kc.input_sets(point, seed=7)
-                order = [a.name for a in point.args()]
-                row["us"] = kc.graph_time_us([lambda d=d: fn(*[d[k] for k in order]) for d in sets])
+                kargs = [kc.kernel_args(point, d) for d in sets]  # weights in the kernel's own layout, once
+                row["us"] = kc.graph_time_us([lambda k=k: fn(*k) for k in kargs])
                 base = [point.template.torch_baseline(point.c, d) for d in sets]
                 if all(b is not None for b in base):
                     row["torch_us"] = kc.graph_time_us(base)
@@ -62,7 +62,7 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
                 row["bytes"] = sum(point.template.bytes_of(point.c, d) for d in sets) / len(sets)
                 row["floor_us"] = row["bytes"] / bw * 1e6
                 row["pct_of_copy_bw"] = 100 * row["floor_us"] / row["us"]
-                del sets
+                del sets, kargs
             except Exception as e:  # noqa: BLE001
                 row["timing_error"] = f"{type(e).__name__}: {e}"
         failed += not row["ok"]

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .templates.base import to_kernel_layout
+
 L2_BYTES = 60 * 2**20
 CHUNK = 1 << 24  # elements per float64 slice when comparing a result with its reference (128 MiB)
 
@@ -48,12 +50,19 @@ def device_args(point, inputs: dict, device: str = "cuda", shared: dict | None =
     return out
 
 
+def kernel_args(point, dev: dict) -> list[torch.Tensor]:
+    """The kernel's arguments in call order, from device tensors in the model's layout: a weight that declares a
+    layout of its own (``Arg.layout``) converted to it (a new tensor), the rest as they are (outputs are
+    written into ``dev``'s tensors)."""
+    return [to_kernel_layout(a, dev[a.name]) for a in point.args()]
+
+
 def check(point, fn, *, seed: int, device: str = "cuda") -> dict:
     """One correctness check on fresh inputs; returns {'ok', 'errors': {name: rel}, 'problems': [...]}."""
     gen = torch.Generator().manual_seed(seed)
     inputs = point.template.random_inputs(point.c, gen)
     dev = device_args(point, inputs, device)
-    fn(*[dev[a.name] for a in point.args()])
+    fn(*kernel_args(point, dev))
     torch.cuda.synchronize()
     return {**compare(point, inputs, dev), "seed": seed}
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,6 +47,7 @@ import torch
 import torch.fx
 
 from . import comm, dialect
+from .templates.base import to_kernel_layout
 
 log = logging.getLogger("k3compile")
 
@@ -68,7 +70,8 @@ def input_copies() -> dict[str, int]:
     """``"kernel:argument"`` -> times an input was copied before a launch because it was not the compact,
     aligned tensor the kernel takes (a strided or misaligned view): each copy is an extra torch kernel on the
     hot path, counted here rather than hidden. The fused front GEMVs write each entry as a compact block
-    (gemv SEGMENTS), so their outputs need none."""
+    (gemv SEGMENTS), so their outputs need none. A weight in a kernel's own layout converted again (it came
+    as a new view: ``_relaid``) counts here too."""
     return dict(_COPIES)
 
 
@@ -103,7 +106,9 @@ class ReferenceKernels(KernelSource):
 
         def run(*tensors):
             d = {a.name: t for a, t in zip(args, tensors)}
-            inputs = {a.name: d[a.name].detach().cpu().clone() for a in args if a.role != "out"}
+            # the kernel's arguments as the kernel gets them: weights in its own layout, read back as the model's
+            inputs = {a.name: to_kernel_layout(a, d[a.name].detach().cpu(), inverse=True).clone() for a in args
+                      if a.role != "out"}
             for name, value in point.template.reference(point.c, inputs).items():
                 d[name].copy_(value.to(d[name].dtype))
         return run
@@ -167,10 +172,45 @@ class Kernel:
                 outs[a.name] = t
             else:
                 t = _fit(self.name, a, given[a.name])
+                if a.layout is not None:
+                    t = _relaid(self.name, a, t)
             tensors.append(t)
         _count(self.name)
         self.fn(*tensors)
         return outs
+
+
+_RELAID_BYTES: dict = {}  # id of a weight's relaid copy -> its bytes (dropped when the copy dies)
+_CONVERSIONS: collections.Counter = collections.Counter()  # (layout, pointer, version, shape) -> conversions
+
+
+def _relaid(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
+    """A weight in the layout its kernel reads (``Arg.layout``): made once and kept on the weight tensor itself
+    (it lives and dies with the weight; remade if the weight is written in place), so a decode step does no
+    conversion and a CUDA graph captures the kept copy. A weight that reaches the kernel as a new view each
+    call is converted again every call: each repeat counts as an input copy, so it shows in ``input_copies()``."""
+    key = (a.layout, t.data_ptr(), t._version, tuple(t.shape))
+    hit = getattr(t, "_k3_relaid", None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError_(f"{kernel}: weight {a.name} would be converted to the kernel's layout inside a CUDA "
+                            f"graph capture (then again at every replay); it changed since the warm-up step. "
+                            f"Fix: do not write weights in place between steps, or recompile after loading them")
+    out = to_kernel_layout(a, t)
+    t._k3_relaid = (key, out)
+    _CONVERSIONS[key] += 1
+    if _CONVERSIONS[key] > 1:
+        _count(f"copy:{kernel}:{a.name}")
+    _RELAID_BYTES[id(out)] = out.numel() * out.element_size()
+    weakref.finalize(out, _RELAID_BYTES.pop, id(out), None)
+    return out
+
+
+def relaid_bytes() -> int:
+    """Bytes of weights kept in a kernel's own layout (``Arg.layout``: the routed experts' MXFP4 codes) beside
+    the model's: in a deployment converted once at load in place of the checkpoint's layout."""
+    return sum(_RELAID_BYTES.values())
 
 
 def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ the kernel; the tests poison it with NaN first) and ``scratch`` (workspace the k
 partials: its contents on entry are undefined, the kernel writes every element before reading it; the GPU tests
 poison it like an output and the runtime never clears it).
 
+A ``weight`` argument may declare a ``layout``: the kernel reads it in a layout of its own, made from the
+model's tensor once (``to_kernel_layout``: the runtime keeps the result with the weight, the kernel tests and
+benchmark convert their random inputs); references and baselines see the model's layout.
+
 Templates know nothing of FX graphs or plans: codegen maps a plan launch to ``(template, params)``.
 """
 
@@ -39,6 +43,8 @@ ROLES = ("weight", "act", "state", "out", "scratch", "comm")
 # passed as it is (never copied) and possibly written in place, like state.
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "u8": torch.uint8, "i32": torch.int32,
           "i64": torch.int64}
+LAYOUTS = ("mxfp4_prepacked",)  # mxfp4_prepacked: MXFP4 code bytes, each 4-byte word's bits permuted
+# (k3compile.mxfp4_mirror.prepack) for the expert kernels' decode
 
 
 class TemplateError(ValueError):
@@ -52,10 +58,14 @@ class Arg:
     shape: tuple[int, ...]  # static: the runtime pads the batch to the bucket
     role: str
     align: int = 16  # bytes the base pointer is assumed aligned to
+    layout: str | None = None  # a weight the kernel reads in a layout of its own (LAYOUTS; to_kernel_layout)
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise TemplateError(f"argument {self.name}: role {self.role!r} is not one of {ROLES}")
+        if self.layout is not None and (self.layout not in LAYOUTS or self.role != "weight"):
+            raise TemplateError(f"argument {self.name}: layout {self.layout!r} needs role 'weight' and one of "
+                                f"{LAYOUTS}")
         if self.dtype not in DTYPES:
             raise TemplateError(f"argument {self.name}: dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
 
@@ -69,6 +79,16 @@ class Arg:
 
     def empty(self, device="cpu") -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.torch_dtype, device=device)
+
+
+def to_kernel_layout(a: Arg, t: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """The model's tensor ``t`` for argument ``a`` in the layout the kernel reads (a new tensor on t's device),
+    or back to the model's layout with ``inverse``; ``t`` itself when the argument declares none."""
+    if a.layout is None:
+        return t
+    from k3compile.mxfp4_mirror import prepack  # (mxfp4_mirror imports this module)
+
+    return prepack(t, inverse=inverse)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA al
 DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 where 8 leave too little smem)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
-# 128 registers a thread, no spill since the staged activations are stored in pair order)
+# 128 registers a thread: no spill since the decode reads prepacked codes)
 XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in shared memory up to this size
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
@@ -204,8 +204,10 @@ class MoeGateUp(_RoutedExperts):
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
-        weights = [Arg("w1_packed", "u8", (e, i, l // 2), "weight"), Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
-                   Arg("w3_packed", "u8", (e, i, l // 2), "weight"), Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
+        weights = [Arg("w1_packed", "u8", (e, i, l // 2), "weight", layout="mxfp4_prepacked"),
+                   Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
+                   Arg("w3_packed", "u8", (e, i, l // 2), "weight", layout="mxfp4_prepacked"),
+                   Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
         if c["ROUTED"]:
             return [Arg("z", "bf16", (m, l), "act"), Arg("ids", "i32", (m, k), "act"), *weights,
                     Arg("h", "bf16", (m, k, i), "out")]
@@ -368,7 +370,8 @@ class MoeDownCombine(_RoutedExperts):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
         return [Arg("h", "bf16", (m, k, i), "act"), Arg("ids", "i32", (m, k), "act"),
                 Arg("weights", "f32", (m, k), "act"),
-                Arg("w2_packed", "u8", (e, l, i // 2), "weight"), Arg("w2_scale", "u8", (e, l, i // 32), "weight"),
+                Arg("w2_packed", "u8", (e, l, i // 2), "weight", layout="mxfp4_prepacked"),
+                Arg("w2_scale", "u8", (e, l, i // 32), "weight"),
                 Arg("y", "bf16", (m, l), "out")]
 
     def random_inputs(self, c, gen):

@@ -19,9 +19,11 @@ prefetch). A k-step at a time: the column's activations (global, L2-resident), t
 ring, the decode and MMA, so a thread needs at most 128 registers and two CTAs of WARPS warps share an SM
 (8, or 4 where shared memory leaves 8 warps fewer than 2 stages: 16 warps hide the loads' and MMAs'
 latencies; with 4 warps and every step's operands in registers, 252 of them, the SM was idle 46 % of its
-cycles). Decode as in moe_gate_up (moe_lib.block_mma), the second scale factor predicated per lane:
-moe_gate_up's form (no second factor, a rerun where a byte exceeds 128) measured slower here, 243 against
-173 us at batch 64 inside the layer with no rerun taken (cause not established).
+cycles; loading all k-steps' activations ahead of the MMAs measured no faster). W2 is in the kernels'
+prepacked layout (mxfp4_mirror.prepack). Decode as in moe_gate_up (moe_lib.block_mma), the second scale
+factor predicated per lane: moe_gate_up's form (no second factor, a rerun where a byte exceeds 128)
+measured slower here, 243 against 173 us at batch 64 inside the layer with no rerun taken (cause not
+established).
 Each (token, slot) result, rounded to bf16, is stored once in shared memory; after a barrier every
 (token, row) sums its TOPK slots in slot order with the routing weights: the combine happens in the CTA,
 deterministic, no atomics, no workspace. Each weight byte of an active expert is read by one CTA, once.

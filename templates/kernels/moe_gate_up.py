@@ -33,12 +33,12 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    blocks' scales and, without XSTAGE, the step's activations of the lane's token; with XSTAGE, up to
    64 KB of activations, every token's row is staged in shared memory once per CTA instead, by cp.async
    copies issued before the routing phase so they land while the warps select: batch 1 to 8 at K3 shapes, from
-   batch 2 one CTA of 12 warps per SM): STAGES - 1 steps are in flight while one is decoded,
+   batch 2 one CTA of 16 warps per SM): STAGES - 1 steps are in flight while one is decoded,
    without holding registers (register-held double buffering left too few bytes in flight at batch 1). A
-   lane reads back only what it copied itself, so the ring needs no barrier. The k order inside an MMA is
-   permuted (codes j and j+4 of a word form one bf16 pair; the activations are paired the same way with
-   byte permutes, once when they are staged with XSTAGE, else in every k-step), which a dot product allows. Decode (moe_lib.block_mma): two shifts and a LOP3 per pair
-   give e2m1 * 2**-126 as bf16 (subnormals exact), one packed bf16 multiply by 2**(s-1) makes it the
+   lane reads back only what it copied itself, so the ring needs no barrier. W1 and W3 are in the kernels'
+   prepacked layout (mxfp4_mirror.prepack: the bits of each 4-byte word permuted once, at load). Decode
+   (moe_lib.block_mma): a shift or rotate and an AND per pair of adjacent codes give e2m1 * 2**-126 as bf16
+   (subnormals exact), paired as the activations lie; one packed bf16 multiply by 2**(s-1) makes it the
    dequantised weight; a second multiply by 2**(s-128) is needed when s > 128 (block scales of 4 and more):
    the k-steps run without it and, if any lane of the warp met such a byte, the task's k-steps run again with
    it (rare; a branch inside the step is predicated by the compiler, both forms issuing on every step: 64 of
@@ -51,8 +51,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, pair_x8, routing_weight,
-                                                 scale_big, select_topk, sigmoid)
+from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, routing_weight, scale_big,
+                                                 select_topk, sigmoid)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -161,21 +161,6 @@ class Kernel:
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def pair_staged(self, sX: cute.Tensor, tid):
-        """The 16-byte chunks this thread staged (stage_x), rewritten in the decode's pair order (moe_lib.pair_x8)
-        once, so the k-steps read paired activations instead of permuting them in every step. A thread reads only
-        what its own cp.async copies wrote (after its cp_async_wait_group), so no barrier is needed before."""
-        for v in cutlass.range(tid, M * (L // 8), THREADS, unroll=1):
-            m = v // (L // 8)
-            c = v % (L // 8)
-            r = cute.make_rmem_tensor((4,), Uint32)
-            cute.autovec_copy(cute.local_tile(sX[m, None], (4,), (c,)), r)
-            pw = pair_x8([r[0], r[1], r[2], r[3]])
-            for j in cutlass.range_constexpr(4):
-                r[j] = pw[j]
-            cute.autovec_copy(r, cute.local_tile(sX[m, None], (4,), (c,)))
-
-    @cute.jit
     def issue_step(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor,
                    mZq: cute.Tensor, e, row0, g, t, tok, valid, step, sW: cute.Tensor, sS: cute.Tensor, lane):
         """cp.async of this lane's share of k-step ``step`` into one ring stage (sW [XCH, 32, 4] words, sS [4, 32]):
@@ -241,8 +226,8 @@ class Kernel:
                            4 * (ks + i * KSPLIT) + t, rW, rS, rX)
             if cutlass.const_expr(not second):
                 big = big | scale_big(rS[0], rS[1], rS[2], rS[3])
-            block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second, XSTAGE)  # gate: W1 rows g, g + 8
-            block_mma(rW, 8, rS[2], rS[3], rX, acc, 4, second, XSTAGE)  # up: W3 rows g, g + 8
+            block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second)  # gate: W1 rows g, g + 8
+            block_mma(rW, 8, rS[2], rS[3], rX, acc, 4, second)  # up: W3 rows g, g + 8
         return big
 
     @cute.kernel
@@ -289,9 +274,8 @@ class Kernel:
                 rCur.store(rLog.load())
                 self.load_logits(mLogits, rLog, lane, m + WARPS)
                 self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
-        if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed: put them in pair order
+        if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
             cute.arch.cp_async_wait_group(0)
-            self.pair_staged(sX, tid)
         cute.arch.sync_threads()
         n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
 

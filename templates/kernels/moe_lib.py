@@ -10,8 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from k3compile.templates.kernels.mxfp4_lib import (bf16x2_mul, decode_e2m1x8_sub, mma_bf16_16816, pair_hi4,
-                                                   pair_lo4, scale_bf16x2)
+from k3compile.templates.kernels.mxfp4_lib import bf16x2_mul, decode_e2m1x8_packed, mma_bf16_16816, scale_bf16x2
 
 
 def sigmoid(x):
@@ -172,12 +171,6 @@ def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPair
     return n_active
 
 
-def pair_x8(x):
-    """8 activations (4 bf16x2 words, 16 bytes: x0..x7) in the decode's pair order: (x0, x4), (x1, x5),
-    (x2, x6), (x3, x7), as decode_e2m1x8_sub pairs codes j and j + 4 of a word."""
-    return [pair_lo4(x[0], x[2]), pair_hi4(x[0], x[2]), pair_lo4(x[1], x[3]), pair_hi4(x[1], x[3])]
-
-
 def scale_big(*scales):
     """Whether one of these E8M0 bytes exceeds 128: its block needs block_mma's second factor."""
     big = scales[0] > Uint32(128)
@@ -188,15 +181,14 @@ def scale_big(*scales):
 
 @cute.jit
 def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, sg, sh, rX: cute.Tensor, acc: cute.Tensor,
-              a0: cutlass.Constexpr, second: cutlass.Constexpr, paired: cutlass.Constexpr = False):
+              a0: cutlass.Constexpr, second: cutlass.Constexpr):
     """One MX block of 16 weight rows times 8 activation columns, accumulated into acc[a0 : a0 + 4] (the
     m16n8 C fragment): rW[w0 : w0 + 4] and rW[w0 + 4 : w0 + 8] are this lane's block of rows g and g + 8
-    (32 codes each), sg / sh their E8M0 scale bytes, rX[16] the same 32 activations (bf16 pairs) of this
-    lane's column. Codes j and j + 4 of a word form one bf16 pair (decode_e2m1x8_sub) and the activations
-    are paired the same way, a permutation of K inside the MMA; the scale is applied to the weights before
-    the MMA (the four lanes of a quad hold different blocks). ``paired`` (compile time): rX already holds the
-    activations in that order (pair_x8 applied to each 16 bytes, e.g. once when they were staged), so the
-    four byte permutes per word are not repeated here.
+    (32 codes each, in the prepacked layout: mxfp4_mirror.prepack), sg / sh their E8M0 scale bytes, rX[16]
+    the same 32 activations (bf16 pairs) of this lane's column. Codes 2j and 2j + 1 of a word form one bf16
+    pair (decode_e2m1x8_packed), as the activations lie; the MMA's K is the quad's four blocks interleaved
+    (a permutation of K, which a dot product allows); the scale is applied to the weights before the MMA
+    (the four lanes of a quad hold different blocks).
 
     ``second`` (compile time) is the second factor 2**max(s - 128, 0): None applies it where the lane's byte
     exceeds 128 (predicated: the 8 products per word issue on every call, switched off or not); True applies
@@ -207,12 +199,11 @@ def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, sg, sh, rX: cute.Tensor, a
     fg = scale_bf16x2(sg)
     fh = scale_bf16x2(sh)
     for wi in cutlass.range_constexpr(4):  # word wi of the block: codes 8wi .. 8wi+7
-        xb = ([rX[4 * wi + j] for j in range(4)] if cutlass.const_expr(paired)
-              else pair_x8([rX[4 * wi + j] for j in range(4)]))
+        xb = [rX[4 * wi + j] for j in range(4)]  # activations 8wi + 2j, 8wi + 2j + 1: the pairs as they lie
         dec = cute.make_rmem_tensor((8,), Uint32)  # [row g | row g + 8][pair j]
-        for j, w in enumerate(decode_e2m1x8_sub(rW[w0 + wi])):
+        for j, w in enumerate(decode_e2m1x8_packed(rW[w0 + wi])):
             dec[j] = bf16x2_mul(w, fg[0])
-        for j, w in enumerate(decode_e2m1x8_sub(rW[w0 + 4 + wi])):
+        for j, w in enumerate(decode_e2m1x8_packed(rW[w0 + 4 + wi])):
             dec[4 + j] = bf16x2_mul(w, fh[0])
         if cutlass.const_expr(second is None):  # per lane: the second product predicated on the lane's bytes
             if cutlass.max(sg, sh) > Uint32(128):

@@ -1,18 +1,23 @@
 """MXFP4 (E2M1 codes + E8M0 block scales) decode on sm_90a for the tensor cores, and the MMA itself; shared
-by the routed-expert kernels (through moe_lib.py) and the GEMV's tensor-core path.
+by the routed-expert kernels (through moe_lib.py); the GEMV's and the MLA decode's tensor-core paths use the MMA.
 
-Hopper has no FP4 conversion instruction, so codes are decoded in registers. Codes j and j+4 of a word go
-to the low and high half of one bf16x2 word with two shifts and a LOP3: the 3 magnitude bits land in bf16
-bits 6-8 (the low exponent bits and the top mantissa bit), the sign in bit 15. That bit pattern is
-e2m1 * 2**-126 exactly, the subnormal 0.5 included (bf16 subnormals are exact). Multiplying by 2**(s-1)
-(s the E8M0 byte) in packed bf16 gives the dequantised bf16 weight: one multiply when s <= 128, a second
-by 2**(s-128) above, so every scale byte, 0 and 255 included, matches ``models.mxfp4.dequantize``. About
-15 integer ops and 4 packed multiplies per 8 weights (the prmt lookup-table decode it replaced: 23).
+Hopper has no FP4 conversion instruction, so codes are decoded in registers, from the kernels' own layout of
+the code bytes: ``k3compile.mxfp4_mirror.prepack`` permutes the 32 bits of every 4-byte word of a weight row
+once, at load (a bijection inside the word; the bytes stay where they were). In that layout codes 2j and
+2j+1 of a word (adjacent k, so the activations pair as they lie in memory, bf16x2 words) decode to one
+bf16x2 word with two operations: a shift or rotate and an AND with PACK_MASK (pair 3: two shifts, two masks).
+Each half then holds its code's 3 magnitude bits in bf16 bits 6-8 (the low exponent bits and the top mantissa
+bit) and its sign in bit 15. That bit pattern is e2m1 * 2**-126 exactly, the subnormal 0.5 included (bf16
+subnormals are exact). Multiplying by 2**(s-1) (s the E8M0 byte) in packed bf16 gives the dequantised bf16
+weight: one multiply when s <= 128, a second by 2**(s-128) above, so every scale byte, 0 and 255 included,
+matches ``models.mxfp4.dequantize``. 9 integer ops and 4 packed multiplies per 8 weights (decoding the
+checkpoint's nibble order took 15 integer ops and 4 byte permutes of the activations; a prmt lookup table 23).
 
 These are plain Python helpers traced into the calling kernel (inlined). ``k3compile.mxfp4_mirror`` replays
-every integer operation in numpy, and tests/templates/test_moe_experts.py checks it bit-exactly against
-``mxfp4.dequantize`` for all 256 code bytes x 256 scale bytes. Templates that import this file list it in
-``Template.libs``, so it is part of their kernels' identity (cache key, kernel names).
+every integer operation in numpy, derives ``prepack`` from them, and tests/templates/test_moe_experts.py checks
+prepack + decode bit-exactly against ``mxfp4.dequantize`` for every code byte at every byte position x every
+scale byte. Templates that import this file list it in ``Template.libs``, so it is part of their kernels'
+identity (cache key, kernel names).
 """
 
 import cutlass
@@ -20,40 +25,36 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.experimental.primitives import PermuteMode, prmt
+
 
 def _s32(v):
     """A 32-bit pattern as a signed Python int (an Int32 immediate)."""
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-SUB_MAG = 0x01C001C0  # magnitude bits of both halves
-SUB_SIGN = _s32(0x80008000)
-SUB_SHIFT = (6, 2, -2, -6)  # codes (j, j+4) magnitude bits 4j..4j+2 -> bits 6..8
-SIGN_SHIFT = (12, 8, 4, 0)  # sign bit 4j+3 -> bit 15
+PACK_MASK = _s32(0x81C081C0)  # bf16 bits 6-8 and 15 of both halves: where a pair's magnitude and sign bits go
+PACK_SHL = (4, 6)  # pair 1: q << 4; pair 3 (with PACK_LO): q << 6
+PACK_ROT = (10, 14)  # pair 2: rotl(q, 10); pair 3 (with PACK_HI): rotl(q, 14)
+PACK_LO = _s32(0x80C080C0)  # pair 3: bits 6, 7 and 15 of each half come from q << 6 ...
+PACK_HI = 0x01000100  # ... and bit 8 of each half from rotl(q, 14)
 
 
-def _prmt(a, b, sel):
-    return Uint32(prmt(Int32(a), Int32(sel), PermuteMode.DEFAULT, hi=Int32(b)))
+def _rotl(q, n):
+    """q rotated left by n bits (one ``shf.l.wrap``)."""
+    return (q << Uint32(n)) | (q >> Uint32(32 - n))
 
 
-def _shift(q, n):
-    if n > 0:
-        return q << Uint32(n)
-    if n < 0:
-        return q >> Uint32(-n)
-    return q
-
-
-def decode_e2m1x8_sub(q):
-    """8 E2M1 codes (one word) -> 4 bf16x2 words: word j = (code j, code j + 4), each e2m1 * 2**-126."""
-    return [(_shift(q, SUB_SHIFT[j]) & Uint32(SUB_MAG)) | (_shift(q, SIGN_SHIFT[j]) & Uint32(SUB_SIGN))
-            for j in range(4)]
+def decode_e2m1x8_packed(q):
+    """One word of 8 codes in the prepacked layout -> 4 bf16x2 words: word j = (code 2j, code 2j + 1), each
+    e2m1 * 2**-126 (pair 0: q & PACK_MASK)."""
+    m = Uint32(PACK_MASK)
+    return [q & m, (q << Uint32(PACK_SHL[0])) & m, _rotl(q, PACK_ROT[0]) & m,
+            ((q << Uint32(PACK_SHL[1])) & Uint32(PACK_LO)) | (_rotl(q, PACK_ROT[1]) & Uint32(PACK_HI))]
 
 
 def scale_bf16x2(s):
     """The E8M0 byte s as two bf16x2 factors (2**min(s-1, 127), 2**max(s-128, 0)), each in both halves;
-    their product with a decode_e2m1x8_sub word is the dequantised weight."""
+    their product with a decode_e2m1x8_packed word is the dequantised weight."""
     e1 = cutlass.min(s + Uint32(126), Uint32(254)) << Uint32(7)
     e2 = (cutlass.max(s, Uint32(128)) - Uint32(1)) << Uint32(7)
     return e1 | (e1 << Uint32(16)), e2 | (e2 << Uint32(16))
@@ -62,16 +63,6 @@ def scale_bf16x2(s):
 def bf16x2_mul(a, f):
     """a * f per bf16 half, round to nearest even (subnormals kept): fma.rn.bf16x2 with a zero addend."""
     return Uint32(cute.arch.fma_packed_bf16x2(Int32(a), Int32(f), Int32(0)))
-
-
-def pair_lo4(a, b):
-    """(low half of a, low half of b) as one bf16x2 word."""
-    return _prmt(a, b, 0x5410)
-
-
-def pair_hi4(a, b):
-    """(high half of a, high half of b) as one bf16x2 word."""
-    return _prmt(a, b, 0x7632)
 
 
 @dsl_user_op

@@ -13,6 +13,8 @@ arithmetic; measured at most ~4e-3). Whole-model logits are not compared: on a r
 are the precise test and end-to-end agreement is checked on the GPU with the real kernels.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -416,3 +418,31 @@ def test_kernel_check_compares_in_slices_exactly_when_asked(monkeypatch):
     nan[1, 3] = float("nan")
     res = kernel_check.compare(point, inputs, {**got, "y": nan})
     assert res["problems"] == ["y: 1 of 32 values NaN (unwritten or invalid)"] and res["errors"]["y"] == float("inf")
+
+
+def test_weights_in_a_kernel_layout_are_converted_once_and_kept_with_the_weight():
+    """The routed experts read their MXFP4 codes prepacked (Arg.layout): the runtime converts a weight once,
+    keeps the copy on the weight (so the graph captures it and a step converts nothing), remakes it when the
+    weight is written in place, and counts a weight that arrives as a new view each call as an input copy."""
+    from k3compile.mxfp4_mirror import prepack
+    from k3compile.templates import get
+
+    t = get("moe_down_combine")
+    a = next(x for x in t.point(**t.examples()["mini_b1"]).args() if x.layout)
+    assert a.name == "w2_packed" and a.layout == "mxfp4_prepacked"
+    w = torch.randint(0, 256, a.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    runtime.reset_launch_counts()
+    before = runtime.relaid_bytes()
+    r1, r2 = runtime._relaid("k", a, w), runtime._relaid("k", a, w)
+    assert r1 is r2 and torch.equal(r1, prepack(w)) and runtime.relaid_bytes() - before == w.numel()
+    assert runtime.input_copies() == {}
+    w.add_(1)  # written in place: the kept copy is stale, made again
+    r3 = runtime._relaid("k", a, w)
+    assert r3 is not r1 and torch.equal(r3, prepack(w)) and runtime.input_copies() == {}
+    for _ in range(2):  # a new view of the same weight each call: converted again, and counted
+        assert torch.equal(runtime._relaid("k", a, w[:]), r3)
+    assert runtime.input_copies() == {"k:w2_packed": 2}
+    del r1, r2, r3
+    w = None
+    gc.collect()
+    assert runtime.relaid_bytes() == before  # the copies live and die with their weight

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from k3compile import kernel_check as kc
+from k3compile.templates.base import to_kernel_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -45,18 +46,21 @@ def test_graph_replay_sees_new_inputs(kernel_package, name):
     fn = kernel_package.function(name)
     args = point.args()
     d = kc.device_args(point, point.template.random_inputs(point.c, torch.Generator().manual_seed(1)))
-    fn(*[d[a.name] for a in args])  # first call (module load) outside the capture
+    k = kc.kernel_args(point, d)  # the tensors the graph captures (weights in the kernel's layout)
+    fn(*k)  # first call (module load) outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn(*[d[a.name] for a in args])
+        fn(*k)
     for seed in (2, 3):
         fresh = point.template.random_inputs(point.c, torch.Generator().manual_seed(seed))
-        for a in args:
+        for a, t in zip(args, k):
             if a.role == "out":
-                d[a.name].fill_(float("nan") if d[a.name].is_floating_point() else -1)
+                t.fill_(float("nan") if t.is_floating_point() else -1)
             else:
                 d[a.name].copy_(fresh[a.name])
+                if t is not d[a.name]:
+                    t.copy_(to_kernel_layout(a, d[a.name]))
         g.replay()
         torch.cuda.synchronize()
         res = kc.compare(point, fresh, d)
