@@ -82,7 +82,7 @@ class Row:
     launches: int = -1
     floor_us: float = float("nan")
     extra_mem_mb: float = float("nan")  # beyond weights and state (k3compile: relaid expert weights excluded)
-    relaid_mb: float = 0.0  # k3compile: weights kept in a kernel's own layout beside the model's (runtime.relaid_bytes)
+    relaid_mb: float = 0.0  # k3compile: this model's weights kept in a kernel's own layout (runtime.relaid_bytes)
     note: str = ""
     kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us", "exposed_us"}] per step
     input_copies: int = -1  # k3compile: torch copies of strided kernel inputs per step (runtime.input_copies)
@@ -280,7 +280,7 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                             runtime.reset_launch_counts()
                             fn()
                             row.input_copies = sum(runtime.input_copies().values())
-                            row.relaid_mb = runtime.relaid_bytes() / 2**20
+                            row.relaid_mb = runtime.relaid_bytes(model) / 2**20
                         row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0 - relaid) / 2**20
                     except Exception as e:  # a baseline that cannot run is reported, not hidden
                         row.note = _note(e)

@@ -207,10 +207,15 @@ def _relaid(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def relaid_bytes() -> int:
+def relaid_bytes(module: torch.nn.Module | None = None) -> int:
     """Bytes of weights kept in a kernel's own layout (``Arg.layout``: the routed experts' MXFP4 codes) beside
-    the model's: in a deployment converted once at load in place of the checkpoint's layout."""
-    return sum(_RELAID_BYTES.values())
+    the model's: in a deployment converted once at load in place of the checkpoint's layout. All of this
+    process's, or only those kept on ``module``'s parameters and buffers."""
+    if module is None:
+        return sum(_RELAID_BYTES.values())
+    kept = {id(h[1]): h[1] for t in (*module.parameters(), *module.buffers())
+            if (h := getattr(t, "_k3_relaid", None)) is not None}
+    return sum(c.numel() * c.element_size() for c in kept.values())
 
 
 def _fit(kernel: str, a, t: torch.Tensor) -> torch.Tensor:

@@ -430,11 +430,15 @@ def test_weights_in_a_kernel_layout_are_converted_once_and_kept_with_the_weight(
     t = get("moe_down_combine")
     a = next(x for x in t.point(**t.examples()["mini_b1"]).args() if x.layout)
     assert a.name == "w2_packed" and a.layout == "mxfp4_prepacked"
-    w = torch.randint(0, 256, a.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    holder = torch.nn.Module()
+    holder.register_buffer("w", torch.randint(0, 256, a.shape, dtype=torch.uint8,
+                                              generator=torch.Generator().manual_seed(0)))
+    w = holder.w
     runtime.reset_launch_counts()
     before = runtime.relaid_bytes()
     r1, r2 = runtime._relaid("k", a, w), runtime._relaid("k", a, w)
     assert r1 is r2 and torch.equal(r1, prepack(w)) and runtime.relaid_bytes() - before == w.numel()
+    assert runtime.relaid_bytes(holder) == w.numel()  # the copies kept on one model's weights
     assert runtime.input_copies() == {}
     w.add_(1)  # written in place: the kept copy is stale, made again
     r3 = runtime._relaid("k", a, w)
@@ -442,7 +446,7 @@ def test_weights_in_a_kernel_layout_are_converted_once_and_kept_with_the_weight(
     for _ in range(2):  # a new view of the same weight each call: converted again, and counted
         assert torch.equal(runtime._relaid("k", a, w[:]), r3)
     assert runtime.input_copies() == {"k:w2_packed": 2}
-    del r1, r2, r3
+    del r1, r2, r3, holder
     w = None
     gc.collect()
     assert runtime.relaid_bytes() == before  # the copies live and die with their weight
