@@ -435,16 +435,15 @@ class Binding:
     # -- experts and attention ---------------------------------------------------------------------
     def _routed_experts(self, a, *ks):
         """gate/up selects the experts itself (two kernels), or from ROUTE_MIN_BUCKET moe_route selects once and
-        gate/up reads its ids (three)."""
+        gate/up reads its ids (three); down reads gate/up's grouping of the pairs by expert."""
         *route, gate_up, down = ks
         w = {n: a[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale")}
         if route:
             sel = route[0](logits=a["logits"], score_bias=a["score_bias"])
-            h = gate_up(z=a["z"], ids=sel["ids"], **w)["h"]
+            gu = gate_up(z=a["z"], ids=sel["ids"], **w)
         else:
-            sel = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
-            h = sel["h"]
-        return down(h=h, ids=sel["ids"], weights=sel["weights"], w2_packed=a["w2_packed"],
+            sel = gu = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
+        return down(h=gu["h"], groups=gu["groups"], weights=sel["weights"], w2_packed=a["w2_packed"],
                     w2_scale=a["w2_scale"])["y"]
 
     def _kda_decode_fb(self, a, k):

@@ -3,11 +3,11 @@ launches, three from batch ROUTE_MIN_BUCKET (kernels/moe_route.py, moe_gate_up.p
 
 ``moe_gate_up`` selects each token's experts from its router logits (sigmoid + biased top-k, exactly
 ``k3compile.dialect._select``), runs the MXFP4 gate/up GEMVs of every (token, slot) and applies SiTU-GLU:
-``h [M, TOPK, I]`` bf16, ``ids [M, TOPK]`` i32 and ``weights [M, TOPK]`` f32. Every one of its CTAs selects
-every token (it needs all the groups); from batch ROUTE_MIN_BUCKET that is M / WARPS selections one after
-another per warp, so ``moe_route`` selects once (ids, weights) and ``moe_gate_up`` (ROUTED) reads the ids and
-returns h only. ``moe_down_combine`` runs
-the down GEMVs of the same (token, slot) pairs and sums them with the routing weights:
+``h [M, TOPK, I]`` bf16, ``ids [M, TOPK]`` i32 and ``weights [M, TOPK]`` f32, and the (token, slot) pairs
+grouped by expert, ``groups`` i32 (ref_groups). Every one of its CTAs selects every token (it needs all the
+groups); from batch ROUTE_MIN_BUCKET that is M / WARPS selections one after another per warp, so ``moe_route``
+selects once (ids, weights) and ``moe_gate_up`` (ROUTED) reads the ids and returns h and groups.
+``moe_down_combine`` runs the down GEMVs of the grouped pairs and sums them with the routing weights:
 ``y [M, L] = bf16(sum_j weights[m, j] * bf16(h[m, j] . deq(W2[ids[m, j]])^T))`` (ops.latent_moe_experts).
 Under TP the experts hold an intermediate-dim shard and y is a partial sum.
 """
@@ -53,6 +53,42 @@ def _expected_experts(c) -> float:
     """Expected distinct experts among M tokens x TOPK uniform picks (for bytes())."""
     e, k, m = c["E"], c["TOPK"], c["M"]
     return e * (1 - (1 - k / e) ** m)
+
+
+def group_len(c) -> int:
+    """Entries of ``groups`` (moe_lib.store_groups): the active-expert count, then MAXA experts, their starts
+    and their counts (zero past the count), then the M * TOPK pairs."""
+    p = c["M"] * c["TOPK"]
+    return 1 + 3 * min(c["E"], p) + p
+
+
+def ref_groups(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``groups`` as moe_lib.group_pairs + store_groups build them from ids [M, TOPK]: the active experts in
+    ascending id, each one's pairs (p = token * TOPK + slot) in ascending order. Sort-based, no host sync (the
+    torch baseline runs it inside a CUDA graph)."""
+    flat = ids.reshape(-1).long()
+    p, maxa = flat.numel(), min(n_experts, flat.numel())
+    ar = torch.arange(p, device=ids.device)
+    pairs = torch.sort(flat * p + ar).values % p  # by (expert, pair)
+    counts = torch.bincount(flat, minlength=n_experts)
+    first = torch.cumsum(counts, 0) - counts
+    order = torch.sort((counts == 0).long() * n_experts + torch.arange(n_experts, device=ids.device)).values
+    act = order[:maxa] % n_experts  # active experts first, ascending
+    n_active = (counts > 0).sum()
+    live = (torch.arange(maxa, device=ids.device) < n_active).long()
+    return torch.cat([n_active.reshape(1), act * live, first[act] * live, counts[act] * live,
+                      pairs]).to(torch.int32)
+
+
+def ids_from_groups(groups: torch.Tensor, m: int, top_k: int, n_experts: int) -> torch.Tensor:
+    """ids [M, TOPK] back from ``groups`` (no host sync)."""
+    p = m * top_k
+    maxa = min(n_experts, p)
+    g = groups.long()
+    act, num, pairs = g[1:1 + maxa], g[1 + 2 * maxa:1 + 3 * maxa], g[1 + 3 * maxa:]
+    ids = torch.empty(p, dtype=torch.long, device=groups.device)
+    ids[pairs] = torch.repeat_interleave(act, num, output_size=p)
+    return ids.reshape(m, top_k)
 
 
 def _balanced_split(tasks: int, slots: int, steps: int) -> int:
@@ -169,7 +205,8 @@ class MoeGateUp(_RoutedExperts):
         # activations unless staged, scales). With 4-warp CTAs, 3 per SM or 2 with a deeper ring: whichever
         # keeps more k-steps in flight per SM (the one being decoded does not count).
         p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
-        fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, padding
+        mask = n_experts * ((bucket + 31) // 32)  # group_pairs' token masks
+        fixed = 4 * (2 * p + mask + n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, pad
         fixed += bucket * (latent * 2 + 16) if xstage else 16  # the staged rows (16 bytes of padding each)
         per_stage = wpc * 32 * ((4 if xstage else 8) * 16 + 4 * 4)
         my_steps = -(-steps // ksplit)
@@ -208,13 +245,14 @@ class MoeGateUp(_RoutedExperts):
                    Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
                    Arg("w3_packed", "u8", (e, i, l // 2), "weight", layout="mxfp4_prepacked"),
                    Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
+        groups = Arg("groups", "i32", (group_len(c),), "out")
         if c["ROUTED"]:
             return [Arg("z", "bf16", (m, l), "act"), Arg("ids", "i32", (m, k), "act"), *weights,
-                    Arg("h", "bf16", (m, k, i), "out")]
+                    Arg("h", "bf16", (m, k, i), "out"), groups]
         return [Arg("z", "bf16", (m, l), "act"), Arg("logits", "f32", (m, e), "act"),
                 Arg("score_bias", "f32", (e,), "weight"), *weights,
                 Arg("h", "bf16", (m, k, i), "out"), Arg("ids", "i32", (m, k), "out"),
-                Arg("weights", "f32", (m, k), "out")]
+                Arg("weights", "f32", (m, k), "out"), groups]
 
     def random_inputs(self, c, gen):
         m, e, l, i = c["M"], c["E"], c["L"], c["I"]
@@ -246,6 +284,7 @@ class MoeGateUp(_RoutedExperts):
             gate = torch.matmul(z, dequantize(d["w1_packed"][ids], d["w1_scale"][ids]).transpose(-1, -2))[..., 0, :]
             up = torch.matmul(z, dequantize(d["w3_packed"][ids], d["w3_scale"][ids]).transpose(-1, -2))[..., 0, :]
             d["h"].copy_(ops.situ_glu(gate, up, c["BETA"], c["LINEAR_BETA"]))
+            d["groups"].copy_(ref_groups(ids, c["E"]))
             if not c["ROUTED"]:
                 d["ids"].copy_(ids)
                 d["weights"].copy_(w)
@@ -258,9 +297,10 @@ class MoeGateUp(_RoutedExperts):
         up = _bf16(_per_expert(ids, z, inputs["w3_packed"], inputs["w3_scale"], c["I"]))
         b, lb = c["BETA"], c["LINEAR_BETA"]
         h = b * torch.tanh(gate / b) * torch.sigmoid(gate) * (lb * torch.tanh(up / lb))
+        groups = ref_groups(ids, c["E"])
         if c["ROUTED"]:
-            return {"h": h}
-        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double()}
+            return {"h": h, "groups": groups}
+        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double(), "groups": groups}
 
     def tolerance(self, c):
         return {"h": 1e-2, "weights": 1e-5}
@@ -275,7 +315,7 @@ class MoeGateUp(_RoutedExperts):
         else:
             acts = c["M"] * (2 * c["L"] + 4 * c["E"]) + 4 * c["E"]  # z, logits, bias
             outs = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
-        return int(round(per_expert * _expected_experts(c))) + acts + outs
+        return int(round(per_expert * _expected_experts(c))) + acts + outs + 4 * group_len(c)
 
 
 class MoeRoute(_RoutedExperts):
@@ -347,12 +387,12 @@ class MoeDownCombine(_RoutedExperts):
                                f"rows); pad the latent size")
         # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
         # (a stage: 32 lanes x per k-step two 16-byte weight chunks and, when I/32 % 4 == 0, two scale words);
-        # DOWN_WARPS warps per CTA while that leaves 2 stages each, else 4 (batch 64 at K3 shapes, whose sPart
-        # takes 32 KB)
+        # DOWN_WARPS warps per CTA while that leaves 2 stages each, else 4 (sPart takes 32 KB at K3 batch 64;
+        # the grouping comes from moe_gate_up, in global memory)
         nb = inter // 32
         steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
         for warps in (DOWN_WARPS, 4):
-            fixed = 4 * (2 * p + 2 * n_experts + 3 * maxa + 2 * warps) + 2 * p * 16 + 1024  # grouping, sPart, padding
+            fixed = 2 * p * 16 + 1024  # sPart, padding
             per_stage = warps * 32 * steps * 2 * (16 + (4 if nb % 4 == 0 else 0))
             room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
             if room >= 2:
@@ -368,7 +408,7 @@ class MoeDownCombine(_RoutedExperts):
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
-        return [Arg("h", "bf16", (m, k, i), "act"), Arg("ids", "i32", (m, k), "act"),
+        return [Arg("h", "bf16", (m, k, i), "act"), Arg("groups", "i32", (group_len(c),), "act"),
                 Arg("weights", "f32", (m, k), "act"),
                 Arg("w2_packed", "u8", (e, l, i // 2), "weight", layout="mxfp4_prepacked"),
                 Arg("w2_scale", "u8", (e, l, i // 32), "weight"),
@@ -379,21 +419,21 @@ class MoeDownCombine(_RoutedExperts):
         logits = torch.randn(m, e, generator=gen)
         weights, ids = select_reference(logits, 0.1 * torch.randn(e, generator=gen), k, True, 2.5)
         w2, s2 = _random_mx(gen, e, l, i)
-        return {"h": (0.5 * torch.randn(m, k, i, generator=gen)).to(torch.bfloat16), "ids": ids.to(torch.int32),
+        return {"h": (0.5 * torch.randn(m, k, i, generator=gen)).to(torch.bfloat16), "groups": ref_groups(ids, e),
                 "weights": weights.float(), "w2_packed": w2, "w2_scale": s2}
 
     def torch_baseline(self, c, d):
         from k3compile.models.mxfp4 import dequantize
 
         def run():
-            ids = d["ids"].long()
+            ids = ids_from_groups(d["groups"], c["M"], c["TOPK"], c["E"])
             w2 = dequantize(d["w2_packed"][ids], d["w2_scale"][ids])  # [M, K, L, I] bf16
             y = torch.matmul(d["h"][..., None, :], w2.transpose(-1, -2))[..., 0, :]
             d["y"].copy_((y.float() * d["weights"][..., None]).sum(1))
         return run
 
     def reference(self, c, inputs):
-        ids = inputs["ids"].long()
+        ids = ids_from_groups(inputs["groups"], c["M"], c["TOPK"], c["E"])
         y = _bf16(_per_expert(ids, inputs["h"].double(), inputs["w2_packed"], inputs["w2_scale"], c["L"]))
         # ^ per-expert result rounded to bf16, as the eager matmul returns it
         return {"y": (y * inputs["weights"].double()[..., None]).sum(1)}
@@ -403,5 +443,5 @@ class MoeDownCombine(_RoutedExperts):
 
     def bytes(self, c):
         per_expert = c["L"] * (c["I"] // 2 + c["I"] // 32)
-        acts = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
+        acts = c["M"] * c["TOPK"] * (2 * c["I"] + 4) + 4 * group_len(c)  # h, weights, groups
         return int(round(per_expert * _expected_experts(c))) + acts + c["M"] * c["L"] * 2

@@ -3,11 +3,13 @@
     y[m, l] = bf16( sum_j weights[m, j] * bf16( h[m, j] . deq(W2[ids[m, j]])[l, :] ) )
 
 as ops.latent_moe_experts (each expert's output rounded to bf16, then the fp32 weighted sum over the k
-experts in slot order, then bf16). ids/weights/h come from moe_gate_up. Under TP, y is this rank's partial
-sum.
+experts in slot order, then bf16). h and the grouping of the (token, slot) pairs by expert (``groups``, written
+by moe_gate_up: moe_lib.store_groups) come from moe_gate_up, the weights from it or from moe_route. Under TP, y
+is this rank's partial sum.
 
-Grid: one CTA per tile of 16 output rows (l). Every CTA groups the (token, slot) pairs of ids by expert in
-shared memory (moe_lib.group_pairs), then its WARPS warps take the active experts in turn: for expert e the
+Grid: one CTA per tile of 16 output rows (l). Every CTA reads the grouping from global memory (L2; grouping in
+each CTA cost 26 KB of shared memory at batch 64, half the warps an SM could hold), then its WARPS warps take
+the active experts in turn: for expert e the
 warp runs W2[e] rows l0..l0+15 against the h rows of the tokens that picked e, 8 tokens per
 ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate; rows are the MMA's M, tokens its N), over the whole
 reduction I in k-steps of 4 MX blocks (lane t of a quad covers block 4*step + t of rows g and g+8; a last
@@ -35,7 +37,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
-from k3compile.templates.kernels.moe_lib import block_mma, group_buffers, group_pairs
+from k3compile.templates.kernels.moe_lib import block_mma
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -55,24 +57,25 @@ P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
 SCALE_RING = NB % 4 == 0  # scale rows are whole 4-byte words: the scales travel in the ring too
+G_ACT, G_START, G_NUM, G_PAIRS = 1, 1 + MAXA, 1 + 2 * MAXA, 1 + 3 * MAXA  # moe_gate_up's grouping (groups)
 
 
 class Kernel:
     @cute.jit
-    def __call__(self, mH: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW2: cute.Tensor,
+    def __call__(self, mH: cute.Tensor, mGroups: cute.Tensor, mWts: cute.Tensor, mW2: cute.Tensor,
                  mS2: cute.Tensor, mY: cute.Tensor, stream):
         mHq = cute.recast_tensor(mH, Uint32)  # [M, TOPK, I/2] bf16 pairs
         mW2q = cute.recast_tensor(mW2, Uint32)  # [E, L, I/8] 8 codes per word
         mS2q = cute.recast_tensor(mS2, Uint32) if SCALE_RING else mS2  # [E, L, NB/4]: a k-step's 4 scales per word
-        self.kernel(mHq, mIds, mWts, mW2q, mS2q, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
+        self.kernel(mHq, mGroups, mWts, mW2q, mS2q, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
                                                            stream=stream, use_pdl=True, min_blocks_per_mp=2,
                                                            preferred_smem_carveout=100)
 
     @cute.jit
-    def prefetch_expert(self, a, n_active, sAct: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
+    def prefetch_expert(self, a, n_active, mGroups: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
         """Pull expert a's 16 rows of W2 (contiguous) and their scales into L2."""
         if a < n_active:
-            e = sAct[a]
+            e = mGroups[G_ACT + a]
             cp_async_bulk_prefetch(mW2q[e, row0, None].iterator, 16 * (I // 2))
             cp_async_bulk_prefetch(mS2[e, row0, None].iterator, 16 * (I // 32))
 
@@ -115,14 +118,13 @@ class Kernel:
                 rS[r] = Uint32(127)
 
     @cute.kernel
-    def kernel(self, mHq: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mW2q: cute.Tensor,
+    def kernel(self, mHq: cute.Tensor, mGroups: cute.Tensor, mWts: cute.Tensor, mW2q: cute.Tensor,
                mS2: cute.Tensor, mY: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         row0 = cute.arch.block_idx()[0] * 16
         smem = cutlass.utils.SmemAllocator()
-        sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, P, WARPS)
         sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16)  # per (token, slot), per row
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32, 4),
@@ -130,14 +132,9 @@ class Kernel:
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32),
                                                            stride=(STAGES * STEPS * 64, STEPS * 64, 32, 1)), 16)
 
-        for e in cutlass.range(tid, E, THREADS, unroll=1):
-            sCount[e] = Int32(0)
-        cute.arch.griddepcontrol_wait()  # h, ids and weights come from moe_gate_up
+        cute.arch.griddepcontrol_wait()  # h, groups and weights come from moe_gate_up (weights: moe_route)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
-        for p in cutlass.range(tid, P, THREADS, unroll=1):
-            sIds[p] = mIds[p // TOPK, p % TOPK]
-        cute.arch.sync_threads()
-        n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
+        n_active = mGroups[0]
 
         g = lane // 4  # MMA rows g and g + 8, and the token column of this lane
         t = lane % 4  # which block of a k-step this lane loads
@@ -149,25 +146,25 @@ class Kernel:
         # a ring of STAGES experts in flight: one cp.async group per expert (empty past the warp's last)
         for k in cutlass.range_constexpr(STAGES - 1):
             if k < n_mine:
-                self.issue_expert(mW2q, mS2, sAct[warp + k * WARPS], row0, g, t, sW[warp, k, None, None, None],
-                                  sS[warp, k, None, None], lane)
+                self.issue_expert(mW2q, mS2, mGroups[G_ACT + warp + k * WARPS], row0, g, t,
+                                  sW[warp, k, None, None, None], sS[warp, k, None, None], lane)
             cute.arch.cp_async_commit_group()
         for k in cutlass.range(n_mine, unroll=1):
             if lane == 0:  # the expert after the ring's last: into L2 now
-                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, sAct, mW2q, mS2, row0)
+                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, mGroups, mW2q, mS2, row0)
             nxt = k + STAGES - 1
             if nxt < n_mine:
-                self.issue_expert(mW2q, mS2, sAct[warp + nxt * WARPS], row0, g, t,
+                self.issue_expert(mW2q, mS2, mGroups[G_ACT + warp + nxt * WARPS], row0, g, t,
                                   sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None], lane)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(STAGES - 1)  # expert k has landed
             a = warp + k * WARPS
-            e = sAct[a]
-            start = sStart[a]
-            num = sNum[a]
+            e = mGroups[G_ACT + a]
+            start = G_PAIRS + mGroups[G_START + a]
+            num = mGroups[G_NUM + a]
             for nt in cutlass.range(0, num, 8, unroll=1):
                 col = nt + g
-                pair = sPairs[start + cutlass.min(col, num - 1)]
+                pair = mGroups[start + cutlass.min(col, num - 1)]
                 acc.fill(0.0)
                 for s in cutlass.range_constexpr(STEPS):  # one k-step at a time (registers: 16 warps per SM)
                     blk = 4 * s + t
@@ -181,7 +178,7 @@ class Kernel:
                 for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                     cc = nt + 2 * t + i % 2
                     if cc < num:
-                        sPart[sPairs[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
+                        sPart[mGroups[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
         cute.arch.sync_threads()
         for idx in cutlass.range(tid, M * 16, THREADS, unroll=1):  # combine: slot order, fp32
             m = idx // 16

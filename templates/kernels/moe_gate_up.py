@@ -17,10 +17,11 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    IEEE division, as the reference; the weights' sum runs in round order by shuffles.
    With ROUTED (from batch 16, where each warp would select M / WARPS tokens one after another in every CTA)
    moe_route has selected every token once, and this phase only reads its ids.
-2. Grouping by expert in shared memory: a histogram of the M*TOPK selected ids (shared atomics), one block
-   scan over E experts gives each active expert its start in a list of (token, slot) pairs, and a scatter
-   fills the list. Each distinct expert is then read and decoded once per step, however many tokens
-   picked it (the order inside a group only decides an MMA column, never a sum order).
+2. Grouping by expert in shared memory (moe_lib.group_pairs): each expert's tokens as a bit mask (shared
+   atomic OR), one block scan over E experts gives each active expert its start in a list of (token, slot)
+   pairs, and the pairs land in token order (a popcount of the mask below the token). Each distinct expert is
+   then read and decoded once per step, however many tokens picked it. CTA 0 writes the grouping to
+   ``groups`` (moe_lib.store_groups) for moe_down_combine.
 3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), task t on CTA t % CTAS in its task
    slot (t // CTAS) % SLOTS: a last round of fewer than CTAS * SLOTS tasks is spread over all CTAs (SMs)
    instead of filling the first CTAs' slots while the rest idle. A slot is KSPLIT warps (1; 2 or 4 while
@@ -51,8 +52,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from k3compile.templates.kernels.moe_lib import (block_mma, group_buffers, group_pairs, routing_weight, scale_big,
-                                                 select_topk, sigmoid)
+from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, routing_weight,
+                                                 scale_big, select_topk, sigmoid, store_groups)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -102,25 +103,25 @@ class Kernel:
 
         @cute.jit
         def __call__(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
-                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, stream):
-            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, mIds, None, stream)
+                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mGroups: cute.Tensor, stream):
+            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, mIds, None, mGroups, stream)
 
     else:
 
         @cute.jit
         def __call__(self, mZ: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1: cute.Tensor,
                      mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor,
-                     mWts: cute.Tensor, stream):
-            self._launch(mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, stream)
+                     mWts: cute.Tensor, mGroups: cute.Tensor, stream):
+            self._launch(mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, mGroups, stream)
 
     @cute.jit
-    def _launch(self, mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, stream):
+    def _launch(self, mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, mGroups, stream):
         mZq = cute.recast_tensor(mZ, Uint32)  # [M, L/2] bf16 pairs
         mW1q = cute.recast_tensor(mW1, Uint32)  # [E, I, L/8] 8 codes per word
         mW3q = cute.recast_tensor(mW3, Uint32)
         mS1q = cute.recast_tensor(mS1, Uint32)  # [E, I, NB/4]: the scales of a k-step's 4 blocks in one word
         mS3q = cute.recast_tensor(mS3, Uint32)
-        self.kernel(mZq, mLogits, mBias, mW1q, mS1q, mW3q, mS3q, mH, mIds, mWts).launch(
+        self.kernel(mZq, mLogits, mBias, mW1q, mS1q, mW3q, mS3q, mH, mIds, mWts, mGroups).launch(
             grid=(CTAS, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=OCC,
             preferred_smem_carveout=100)
 
@@ -232,13 +233,13 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, mZq: cute.Tensor, mLogits, mBias, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
-               mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor, mWts):
+               mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor, mWts, mGroups: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bid = cute.arch.block_idx()[0]
         smem = cutlass.utils.SmemAllocator()
-        sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, P, WARPS)
+        sIds, sPairs, sMask, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, M, TOPK, WARPS)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2, 16, 8)), 16)
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, XCH, 32, 4),
@@ -248,8 +249,7 @@ class Kernel:
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 4, 32), stride=(STAGES * 128, 128, 32, 1)),
                                   16)
 
-        for e in cutlass.range(tid, E, THREADS, unroll=1):
-            sCount[e] = Int32(0)
+        clear_masks(sMask, tid, E, M, THREADS)
         if cutlass.const_expr(ROUTED):  # moe_route selected: its ids (and, through it, z) are ready after the wait
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
@@ -277,7 +277,10 @@ class Kernel:
         if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        n_active = group_pairs(sIds, sCount, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, P, WARPS)
+        n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
+                               WARPS)
+        if bid == 0:  # the grouping for moe_down_combine (which then needs none of its own)
+            store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, MAXA, P, THREADS)
 
         g = lane // 4  # MMA row (and row + 8) of this lane, and its token column
         t = lane % 4  # which block of a k-step this lane loads

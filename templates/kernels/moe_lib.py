@@ -98,28 +98,44 @@ def routing_weight(mLogits: cute.Tensor, m, my_id, lane, TOPK: cutlass.Constexpr
     return w * Float32(SCALING)
 
 
-def group_buffers(smem, E: int, P: int, WARPS: int):
-    """Shared memory for group_pairs: (sIds, sPairs, sCount, sOff, sAct, sStart, sNum, sTot). Plain Python,
+def group_buffers(smem, E: int, M: int, TOPK: int, WARPS: int):
+    """Shared memory for group_pairs: (sIds, sPairs, sMask, sOff, sAct, sStart, sNum, sTot). Plain Python,
     traced into the kernel."""
+    P = M * TOPK
     maxa = min(E, P)  # distinct experts at most
-    sizes = (P, P, E, E, maxa, maxa, maxa, 2 * WARPS)
-    return tuple(smem.allocate_tensor(Int32, cute.make_layout((n,)), 16) for n in sizes)
+    sizes = (P, P, E * ((M + 31) // 32), E, maxa, maxa, maxa, 2 * WARPS)
+    return tuple(smem.allocate_tensor(Uint32 if i == 2 else Int32, cute.make_layout((n,)), 16)
+                 for i, n in enumerate(sizes))
 
 
 @cute.jit
-def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPairs: cute.Tensor, sAct: cute.Tensor,
+def clear_masks(sMask: cute.Tensor, tid, E: cutlass.Constexpr, M: cutlass.Constexpr, THREADS: cutlass.Constexpr):
+    """Zero group_pairs' token masks (before the barrier ahead of it)."""
+    for i in cutlass.range(tid, E * ((M + 31) // 32), THREADS, unroll=1):
+        sMask[i] = Uint32(0)
+
+
+@cute.jit
+def group_pairs(sIds: cute.Tensor, sMask: cute.Tensor, sOff: cute.Tensor, sPairs: cute.Tensor, sAct: cute.Tensor,
                 sStart: cute.Tensor, sNum: cute.Tensor, sTot: cute.Tensor, tid, lane, warp, E: cutlass.Constexpr,
-                P: cutlass.Constexpr, WARPS: cutlass.Constexpr):
-    """The P (token, slot) pairs of sIds (expert ids, pair p = token * TOPK + slot) grouped by expert:
-    sAct[a] = the a-th active expert (ascending id), its pairs sPairs[sStart[a] : sStart[a] + sNum[a]];
-    returns the number of active experts. sCount (E entries) must be zero on entry, and the block
-    synchronised after sIds was written. A histogram (shared atomics), one block scan over the experts
-    (count and active flag together), a scatter; the order inside a group is not fixed (it only decides
-    an MMA column, never a sum order)."""
+                M: cutlass.Constexpr, TOPK: cutlass.Constexpr, WARPS: cutlass.Constexpr):
+    """The P = M * TOPK (token, slot) pairs of sIds (expert ids, pair p = token * TOPK + slot) grouped by
+    expert: sAct[a] = the a-th active expert (ascending id), its pairs sPairs[sStart[a] : sStart[a] + sNum[a]]
+    in ascending order; returns the number of active experts. sMask (E x MW words, a bit per token) must be
+    zero on entry (clear_masks) and the block synchronised after sIds was written.
+
+    A token picks an expert at most once, so each expert's tokens are a bit mask (shared atomic OR); its count
+    is the masks' popcount, one block scan over the experts (count and active flag together) gives each its
+    start, and pair (m, j) of expert e lands at start + the number of e's tokens below m (popcount of the
+    masked words): the result is deterministic (ref_groups computes the same)."""
     THREADS = 32 * WARPS
+    P = M * TOPK
+    MW = (M + 31) // 32  # mask words per expert
     EPT = (E + THREADS - 1) // THREADS  # experts per thread in the scan
     for p in cutlass.range(tid, P, THREADS, unroll=1):
-        cute.arch.atomic_add(sCount.iterator + sIds[p], Int32(1), sem="relaxed", scope="cta")
+        m = p // TOPK
+        cute.arch.atomic_or(sMask.iterator + sIds[p] * MW + m // 32, Uint32(1) << Uint32(m % 32), sem="relaxed",
+                            scope="cta")
     cute.arch.sync_threads()
     # block scan over experts: (pairs before expert e, active experts before e)
     cnt = Int32(0)
@@ -127,7 +143,9 @@ def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPair
     for i in cutlass.range_constexpr(EPT):
         e = tid * EPT + i
         if e < E:
-            c = sCount[e]
+            c = Int32(0)
+            for w in cutlass.range_constexpr(MW):
+                c = c + Int32(cute.arch.popc(sMask[e * MW + w]))
             cnt = cnt + c
             if c > 0:
                 act = act + 1
@@ -154,7 +172,9 @@ def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPair
     for i in cutlass.range_constexpr(EPT):
         e = tid * EPT + i
         if e < E:
-            c = sCount[e]
+            c = Int32(0)
+            for w in cutlass.range_constexpr(MW):
+                c = c + Int32(cute.arch.popc(sMask[e * MW + w]))
             sOff[e] = base_c
             if c > 0:
                 sAct[base_a] = e
@@ -165,10 +185,31 @@ def group_pairs(sIds: cute.Tensor, sCount: cute.Tensor, sOff: cute.Tensor, sPair
     cute.arch.sync_threads()
     for p in cutlass.range(tid, P, THREADS, unroll=1):
         e = sIds[p]
-        old = cute.arch.atomic_add(sCount.iterator + e, Int32(-1), sem="relaxed", scope="cta")
-        sPairs[sOff[e] + old - 1] = p
+        m = p // TOPK
+        below = Int32(cute.arch.popc(sMask[e * MW + m // 32] & ((Uint32(1) << Uint32(m % 32)) - Uint32(1))))
+        for w in cutlass.range_constexpr(MW - 1):
+            if w < m // 32:
+                below = below + Int32(cute.arch.popc(sMask[e * MW + w]))
+        sPairs[sOff[e] + below] = p
     cute.arch.sync_threads()
     return n_active
+
+
+@cute.jit
+def store_groups(mGroups: cute.Tensor, sAct: cute.Tensor, sStart: cute.Tensor, sNum: cute.Tensor,
+                 sPairs: cute.Tensor, n_active, tid, MAXA: cutlass.Constexpr, P: cutlass.Constexpr,
+                 THREADS: cutlass.Constexpr):
+    """group_pairs' result into global memory for the next kernel (group_len entries: n_active; MAXA experts,
+    starts, counts, zero past n_active; the P pairs), every entry written."""
+    if tid == 0:
+        mGroups[0] = n_active
+    for a in cutlass.range(tid, MAXA, THREADS, unroll=1):
+        live = a < n_active
+        mGroups[1 + a] = Int32(cutlass.select_(live, sAct[a], Int32(0)))
+        mGroups[1 + MAXA + a] = Int32(cutlass.select_(live, sStart[a], Int32(0)))
+        mGroups[1 + 2 * MAXA + a] = Int32(cutlass.select_(live, sNum[a], Int32(0)))
+    for p in cutlass.range(tid, P, THREADS, unroll=1):
+        mGroups[1 + 3 * MAXA + p] = sPairs[p]
 
 
 def scale_big(*scales):

@@ -16,7 +16,8 @@ import torch
 from k3compile import dialect
 from k3compile.models import mxfp4
 from k3compile.templates import TemplateError, get
-from k3compile.templates.moe_experts import BIG_SCALE_EXPERTS, ROUTE_MIN_BUCKET
+from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, ROUTE_MIN_BUCKET, group_len, ids_from_groups,
+                                              ref_groups)
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
 from template_checks import module_constants
 from k3compile.mxfp4_mirror import (decode_e2m1x8_packed, every_byte_every_scale, packed_source_bits, prepack,
@@ -137,19 +138,18 @@ def _allocated(sizes):
 
 
 def _gate_up_smem(env):  # the kernel's allocations, in its order (moe_gate_up.kernel)
-    grouping = [4 * n for n in (env["P"], env["P"], env["E"], env["E"], env["MAXA"], env["MAXA"], env["MAXA"],
+    masks = env["E"] * ((env["M"] + 31) // 32)  # group_pairs' token masks
+    grouping = [4 * n for n in (env["P"], env["P"], masks, env["E"], env["MAXA"], env["MAXA"], env["MAXA"],
                                 2 * env["WARPS"])]
     ring = 4 * env["WARPS"] * env["STAGES"] * env["XCH"] * 128
     x = 4 * (env["M"] * env["XROW"] if env["XSTAGE"] else 4)
     return _allocated(grouping + [4 * env["WARPS"] * 2 * 16 * 8, ring, x, 4 * env["WARPS"] * env["STAGES"] * 128])
 
 
-def _down_smem(env):  # moe_down_combine.kernel
-    grouping = [4 * n for n in (env["P"], env["P"], env["E"], env["E"], env["MAXA"], env["MAXA"], env["MAXA"],
-                                2 * env["WARPS"])]
+def _down_smem(env):  # moe_down_combine.kernel (the grouping comes from moe_gate_up, in global memory)
     ring = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32 * 4
     scales = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32
-    return _allocated(grouping + [2 * env["P"] * 16, ring, scales])
+    return _allocated([2 * env["P"] * 16, ring, scales])
 
 
 @pytest.mark.parametrize("shape", [_K3, _MINI], ids=["k3tp8", "mini"])
@@ -191,8 +191,31 @@ def test_balanced_split_fills_the_last_round():
 
 
 def test_down_takes_8_warps_where_two_stages_fit():
-    for b, warps in ((1, 8), (8, 8), (32, 8), (64, 4)):
-        assert DC.point(bucket=b, **_K3).c["WARPS"] == warps, b
+    # batch 64 too, since the grouping moved to global memory (26 KB less shared memory per CTA)
+    for b, warps, stages in ((1, 8, 2), (8, 8, 3), (32, 8, 3), (64, 8, 2)):
+        c = DC.point(bucket=b, **_K3).c
+        assert (c["WARPS"], c["STAGES"]) == (warps, stages), b
+    assert DC.point(bucket=64, **{**_K3, "top_k": 32}).c["WARPS"] == 4  # 64 KB of sPart: 4 warps keep 2 stages
+
+
+def test_groups_reference_is_the_kernels_deterministic_grouping():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    # n_active 4; experts 0 1 2 3; starts 0 1 3 4; counts 1 2 1 2; pairs by (expert, pair); past n_active: 0
+    assert ref_groups(ids, 5).tolist() == [4, 0, 1, 2, 3, 0, 0, 1, 3, 4, 0, 1, 2, 1, 2, 0, 3, 1, 2, 5, 0, 4]
+    assert ref_groups(ids, 5).dtype == torch.int32
+    for label in ("mini_b8", "k3tp8_b8", "k3tp8_b64"):
+        c = DC.point(**DC.examples()[label]).c
+        logits = torch.randn(c["M"], c["E"], generator=torch.Generator().manual_seed(5))
+        ids = logits.topk(c["TOPK"], -1).indices
+        g = ref_groups(ids, c["E"])
+        assert g.numel() == group_len(c) and int(g[0]) == len(torch.unique(ids))
+        assert torch.equal(ids_from_groups(g, c["M"], c["TOPK"], c["E"]), ids)
+        maxa = min(c["E"], c["M"] * c["TOPK"])
+        pairs = g[1 + 3 * maxa:]
+        assert sorted(pairs.tolist()) == list(range(c["M"] * c["TOPK"]))
+        for a in range(int(g[0])):  # each group: its pairs ascending, all of that expert
+            grp = pairs[int(g[1 + maxa + a]):int(g[1 + maxa + a]) + int(g[1 + 2 * maxa + a])]
+            assert grp.tolist() == sorted(grp.tolist()) and (ids.reshape(-1)[grp.long()] == g[1 + a]).all()
 
 
 def test_kernel_signatures_follow_args():
@@ -252,8 +275,9 @@ def test_references_agree_with_dialect(label):
     w2, s2 = (lambda g: (torch.randint(0, 256, (cd["E"], cd["L"], cd["I"] // 2), generator=g, dtype=torch.uint8),
                          torch.randint(120, 131, (cd["E"], cd["L"], cd["I"] // 32), generator=g,
                                        dtype=torch.uint8)))(gen)
-    y = DC.reference(cd, {"h": ref["h"].to(torch.bfloat16), "ids": ref["ids"], "weights": ref["weights"].float(),
-                          "w2_packed": w2, "w2_scale": s2})["y"]
+    assert torch.equal(ref["groups"], ref_groups(ref["ids"], cg["E"]))
+    y = DC.reference(cd, {"h": ref["h"].to(torch.bfloat16), "groups": ref["groups"],
+                          "weights": ref["weights"].float(), "w2_packed": w2, "w2_scale": s2})["y"]
     eager = dialect.routed_experts_impl(inp["z"], inp["logits"], inp["score_bias"], cg["TOPK"], cg["RENORMALIZE"],
                                         cg["SCALING"], inp["w1_packed"], inp["w1_scale"], inp["w3_packed"],
                                         inp["w3_scale"], w2, s2, cg["BETA"], cg["LINEAR_BETA"])
@@ -279,7 +303,8 @@ def test_route_reference_and_routed_gate_up_agree_with_dialect(label):
     g = GU.random_inputs(selecting, torch.Generator().manual_seed(3))
     h_sel = GU.reference(selecting, g)
     h_routed = GU.reference(routed, {**g, "ids": h_sel["ids"]})  # (the reference takes M from the inputs)
-    assert set(h_routed) == {"h"} and torch.equal(h_routed["h"], h_sel["h"])
+    assert set(h_routed) == {"h", "groups"} and torch.equal(h_routed["h"], h_sel["h"])
+    assert torch.equal(h_routed["groups"], h_sel["groups"])
 
 
 def test_random_inputs_shapes_and_ranges():
@@ -300,7 +325,7 @@ def test_random_inputs_shapes_and_ranges():
                     assert 116 <= int(inp[k].min()) and int(inp[k][n_big:].max()) <= 128, (label, k)
                     assert int(inp[k][:n_big].max()) > 128 and int(inp[k][:n_big].min()) >= 120, (label, k)
     c = DC.point(**DC.examples()["k3tp8_b8"]).c
-    ids = DC.random_inputs(c, torch.Generator().manual_seed(0))["ids"]
+    ids = ids_from_groups(DC.random_inputs(c, torch.Generator().manual_seed(0))["groups"], c["M"], c["TOPK"], c["E"])
     assert all(len(set(r.tolist())) == c["TOPK"] for r in ids)
 
 
