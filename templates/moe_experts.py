@@ -80,10 +80,11 @@ def ref_groups(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
                       pairs]).to(torch.int32)
 
 
-def ids_from_groups(groups: torch.Tensor, m: int, top_k: int, n_experts: int) -> torch.Tensor:
-    """ids [M, TOPK] back from ``groups`` (no host sync)."""
-    p = m * top_k
-    maxa = min(n_experts, p)
+def ids_from_groups(groups: torch.Tensor, top_k: int, n_experts: int) -> torch.Tensor:
+    """ids [M, TOPK] back from ``groups`` (its length gives M; no host sync)."""
+    n = groups.numel() - 1  # 4 P while P <= E, else 3 E + P
+    p = n // 4 if n <= 4 * n_experts else n - 3 * n_experts
+    m, maxa = p // top_k, min(n_experts, p)
     g = groups.long()
     act, num, pairs = g[1:1 + maxa], g[1 + 2 * maxa:1 + 3 * maxa], g[1 + 3 * maxa:]
     ids = torch.empty(p, dtype=torch.long, device=groups.device)
@@ -171,10 +172,11 @@ class MoeGateUp(_RoutedExperts):
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
-                  ksplit: int | None = None) -> list:
+                  ksplit: int | None = None, occ: int | None = None) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
+        need(occ in (None, 1, 2, 3), f"{self.name}: occ={occ!r} must be 1, 2, 3 or None (chosen by the bucket)")
         need(beta > 0 and linear_beta > 0, f"{self.name}: beta={beta} and linear_beta={linear_beta} must be > 0")
         need(latent % 128 == 0, f"{self.name}: latent={latent} must be a multiple of 128 (a k-step of the MMA "
                                 f"quad covers 4 MX blocks); pad the latent size")
@@ -189,6 +191,7 @@ class MoeGateUp(_RoutedExperts):
         xstage = bucket * latent * 2 <= XSTAGE_MAX_BYTES
         wide = xstage and bucket > 1
         wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2))
+        occs = occs if occ is None else (occ,)
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
             if wide:  # the split that best fills the last round of tasks over the warps (expected experts)
                 ksplit = _balanced_split(round(_expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket}))
@@ -205,8 +208,12 @@ class MoeGateUp(_RoutedExperts):
         # activations unless staged, scales). With 4-warp CTAs, 3 per SM or 2 with a deeper ring: whichever
         # keeps more k-steps in flight per SM (the one being decoded does not count).
         p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
-        mask = n_experts * ((bucket + 31) // 32)  # group_pairs' token masks
-        fixed = 4 * (2 * p + mask + n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, pad
+        routed = bucket >= ROUTE_MIN_BUCKET
+        if routed:  # moe_route's grouping, copied in
+            grouping = 4 * (1 + 3 * maxa + p)
+        else:  # group_pairs' buffers (its token masks: a bit per token)
+            grouping = 4 * (2 * p + n_experts * ((bucket + 31) // 32) + n_experts + 3 * maxa + 2 * wpc)
+        fixed = grouping + 4 * wpc * 256 + 1024  # grouping, sRed, padding
         fixed += bucket * (latent * 2 + 16) if xstage else 16  # the staged rows (16 bytes of padding each)
         per_stage = wpc * 32 * ((4 if xstage else 8) * 16 + 4 * 4)
         my_steps = -(-steps // ksplit)
@@ -236,8 +243,8 @@ class MoeGateUp(_RoutedExperts):
                 const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)"),
                 const("XSTAGE", xstage, "every token's activations staged in shared memory once per CTA (else "
                                         "they travel in the ring)"),
-                const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
-                                                            f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA")]
+                const("ROUTED", routed, f"the grouping comes from moe_route (from batch {ROUTE_MIN_BUCKET}) "
+                                        f"instead of a selection and grouping in every CTA")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
@@ -245,10 +252,10 @@ class MoeGateUp(_RoutedExperts):
                    Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
                    Arg("w3_packed", "u8", (e, i, l // 2), "weight", layout="mxfp4_prepacked"),
                    Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
-        groups = Arg("groups", "i32", (group_len(c),), "out")
         if c["ROUTED"]:
-            return [Arg("z", "bf16", (m, l), "act"), Arg("ids", "i32", (m, k), "act"), *weights,
-                    Arg("h", "bf16", (m, k, i), "out"), groups]
+            return [Arg("z", "bf16", (m, l), "act"), Arg("groups", "i32", (group_len(c),), "act"), *weights,
+                    Arg("h", "bf16", (m, k, i), "out")]
+        groups = Arg("groups", "i32", (group_len(c),), "out")
         return [Arg("z", "bf16", (m, l), "act"), Arg("logits", "f32", (m, e), "act"),
                 Arg("score_bias", "f32", (e,), "weight"), *weights,
                 Arg("h", "bf16", (m, k, i), "out"), Arg("ids", "i32", (m, k), "out"),
@@ -261,16 +268,17 @@ class MoeGateUp(_RoutedExperts):
         logits, bias = torch.randn(m, e, generator=gen), 0.1 * torch.randn(e, generator=gen)
         out = {"z": torch.randn(m, l, generator=gen).to(torch.bfloat16),
                "w1_packed": w1, "w1_scale": s1, "w3_packed": w3, "w3_scale": s3}
-        if c["ROUTED"]:  # ids as moe_route selects them
-            out["ids"] = select_reference(logits, bias, c["TOPK"], c["RENORMALIZE"], c["SCALING"])[1].to(torch.int32)
+        if c["ROUTED"]:  # the grouping of the ids moe_route selects
+            out["groups"] = ref_groups(select_reference(logits, bias, c["TOPK"], c["RENORMALIZE"], c["SCALING"])[1],
+                                       e)
         else:
             out.update(logits=logits, score_bias=bias)
         return out
 
     def _ids(self, c, d):
-        """(routing weights or None, ids): selected from the logits, or moe_route's ids (ROUTED)."""
+        """(routing weights or None, ids): selected from the logits, or from moe_route's grouping (ROUTED)."""
         if c["ROUTED"]:
-            return None, d["ids"].long()
+            return None, ids_from_groups(d["groups"], c["TOPK"], c["E"])
         return select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
 
     def torch_baseline(self, c, d):
@@ -284,8 +292,8 @@ class MoeGateUp(_RoutedExperts):
             gate = torch.matmul(z, dequantize(d["w1_packed"][ids], d["w1_scale"][ids]).transpose(-1, -2))[..., 0, :]
             up = torch.matmul(z, dequantize(d["w3_packed"][ids], d["w3_scale"][ids]).transpose(-1, -2))[..., 0, :]
             d["h"].copy_(ops.situ_glu(gate, up, c["BETA"], c["LINEAR_BETA"]))
-            d["groups"].copy_(ref_groups(ids, c["E"]))
             if not c["ROUTED"]:
+                d["groups"].copy_(ref_groups(ids, c["E"]))
                 d["ids"].copy_(ids)
                 d["weights"].copy_(w)
         return run
@@ -297,10 +305,9 @@ class MoeGateUp(_RoutedExperts):
         up = _bf16(_per_expert(ids, z, inputs["w3_packed"], inputs["w3_scale"], c["I"]))
         b, lb = c["BETA"], c["LINEAR_BETA"]
         h = b * torch.tanh(gate / b) * torch.sigmoid(gate) * (lb * torch.tanh(up / lb))
-        groups = ref_groups(ids, c["E"])
         if c["ROUTED"]:
-            return {"h": h, "groups": groups}
-        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double(), "groups": groups}
+            return {"h": h}
+        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double(), "groups": ref_groups(ids, c["E"])}
 
     def tolerance(self, c):
         return {"h": 1e-2, "weights": 1e-5}
@@ -311,7 +318,7 @@ class MoeGateUp(_RoutedExperts):
     def bytes(self, c):
         per_expert = 2 * c["I"] * (c["L"] // 2 + c["L"] // 32)  # W1 + W3 codes and scales
         if c["ROUTED"]:
-            acts, outs = c["M"] * (2 * c["L"] + 4 * c["TOPK"]), c["M"] * c["TOPK"] * 2 * c["I"]  # z, ids; h
+            acts, outs = c["M"] * 2 * c["L"], c["M"] * c["TOPK"] * 2 * c["I"]  # z (and groups, below); h
         else:
             acts = c["M"] * (2 * c["L"] + 4 * c["E"]) + 4 * c["E"]  # z, logits, bias
             outs = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
@@ -322,7 +329,8 @@ class MoeRoute(_RoutedExperts):
     name = "moe_route"
     kernel_file = "moe_route.py"
     libs = ("mxfp4_lib.py", "moe_lib.py")
-    doc = "router top-k (sigmoid + biased top-k, renormalised weights) once per step, a warp per token"
+    doc = ("router top-k (sigmoid + biased top-k, renormalised weights) once per step, a warp per token; the last "
+           "CTA groups the pairs by expert")
 
     def examples(self):  # the buckets that launch it
         ex = {f"{cfg}_b{b}": {"bucket": b, "n_experts": shape["n_experts"], "top_k": shape["top_k"], **_ROUTING}
@@ -344,7 +352,8 @@ class MoeRoute(_RoutedExperts):
     def args(self, c):
         m, e, k = c["M"], c["E"], c["TOPK"]
         return [Arg("logits", "f32", (m, e), "act"), Arg("score_bias", "f32", (e,), "weight"),
-                Arg("ids", "i32", (m, k), "out"), Arg("weights", "f32", (m, k), "out")]
+                Arg("ids", "i32", (m, k), "out"), Arg("weights", "f32", (m, k), "out"),
+                Arg("groups", "i32", (group_len(c),), "out"), Arg("ticket", "i32", (1,), "counter")]
 
     def random_inputs(self, c, gen):
         return {"logits": torch.randn(c["M"], c["E"], generator=gen),
@@ -355,12 +364,13 @@ class MoeRoute(_RoutedExperts):
             w, ids = select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
             d["ids"].copy_(ids)
             d["weights"].copy_(w)
+            d["groups"].copy_(ref_groups(ids, c["E"]))
         return run
 
     def reference(self, c, inputs):
         weights, ids = select_reference(inputs["logits"], inputs["score_bias"], c["TOPK"], c["RENORMALIZE"],
                                         c["SCALING"])
-        return {"ids": ids.to(torch.int32), "weights": weights.double()}
+        return {"ids": ids.to(torch.int32), "weights": weights.double(), "groups": ref_groups(ids, c["E"])}
 
     def tolerance(self, c):
         return {"weights": 1e-5}
@@ -369,7 +379,7 @@ class MoeRoute(_RoutedExperts):
         return 0
 
     def bytes(self, c):
-        return 4 * (c["M"] * c["E"] + c["E"] + 2 * c["M"] * c["TOPK"])
+        return 4 * (c["M"] * c["E"] + c["E"] + 3 * c["M"] * c["TOPK"] + group_len(c))  # ids read back once
 
 
 class MoeDownCombine(_RoutedExperts):
@@ -392,7 +402,7 @@ class MoeDownCombine(_RoutedExperts):
         nb = inter // 32
         steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
         for warps in (DOWN_WARPS, 4):
-            fixed = 2 * p * 16 + 1024  # sPart, padding
+            fixed = 2 * p * 16 + 4 * (1 + 3 * maxa + p) + 1024  # sPart, the grouping, padding
             per_stage = warps * 32 * steps * 2 * (16 + (4 if nb % 4 == 0 else 0))
             room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
             if room >= 2:
@@ -426,14 +436,14 @@ class MoeDownCombine(_RoutedExperts):
         from k3compile.models.mxfp4 import dequantize
 
         def run():
-            ids = ids_from_groups(d["groups"], c["M"], c["TOPK"], c["E"])
+            ids = ids_from_groups(d["groups"], c["TOPK"], c["E"])
             w2 = dequantize(d["w2_packed"][ids], d["w2_scale"][ids])  # [M, K, L, I] bf16
             y = torch.matmul(d["h"][..., None, :], w2.transpose(-1, -2))[..., 0, :]
             d["y"].copy_((y.float() * d["weights"][..., None]).sum(1))
         return run
 
     def reference(self, c, inputs):
-        ids = ids_from_groups(inputs["groups"], c["M"], c["TOPK"], c["E"])
+        ids = ids_from_groups(inputs["groups"], c["TOPK"], c["E"])
         y = _bf16(_per_expert(ids, inputs["h"].double(), inputs["w2_packed"], inputs["w2_scale"], c["L"]))
         # ^ per-expert result rounded to bf16, as the eager matmul returns it
         return {"y": (y * inputs["weights"].double()[..., None]).sum(1)}

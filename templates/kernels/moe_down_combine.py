@@ -7,8 +7,9 @@ experts in slot order, then bf16). h and the grouping of the (token, slot) pairs
 by moe_gate_up: moe_lib.store_groups) come from moe_gate_up, the weights from it or from moe_route. Under TP, y
 is this rank's partial sum.
 
-Grid: one CTA per tile of 16 output rows (l). Every CTA reads the grouping from global memory (L2; grouping in
-each CTA cost 26 KB of shared memory at batch 64, half the warps an SM could hold), then its WARPS warps take
+Grid: one CTA per tile of 16 output rows (l). Every CTA copies the grouping into shared memory (read in place
+from global memory, its dependent loads made down 10 % slower at batch 8; grouping in each CTA took 26 KB more
+shared memory at batch 64, half the warps an SM could hold), then its WARPS warps take
 the active experts in turn: for expert e the
 warp runs W2[e] rows l0..l0+15 against the h rows of the tokens that picked e, 8 tokens per
 ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate; rows are the MMA's M, tokens its N), over the whole
@@ -37,7 +38,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
-from k3compile.templates.kernels.moe_lib import block_mma
+from k3compile.templates.kernels.moe_lib import block_mma, load_groups
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -57,7 +58,11 @@ P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
 SCALE_RING = NB % 4 == 0  # scale rows are whole 4-byte words: the scales travel in the ring too
-G_ACT, G_START, G_NUM, G_PAIRS = 1, 1 + MAXA, 1 + 2 * MAXA, 1 + 3 * MAXA  # moe_gate_up's grouping (groups)
+G_ACT = 1  # the parts of the grouping (moe_lib.store_groups: moe_gate_up's or moe_route's): the active experts,
+G_START = 1 + MAXA  # their starts in the pairs,
+G_NUM = 1 + 2 * MAXA  # their pair counts,
+G_PAIRS = 1 + 3 * MAXA  # the pairs
+GLEN = G_PAIRS + P
 
 
 class Kernel:
@@ -72,10 +77,10 @@ class Kernel:
                                                            preferred_smem_carveout=100)
 
     @cute.jit
-    def prefetch_expert(self, a, n_active, mGroups: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
+    def prefetch_expert(self, a, n_active, sG: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
         """Pull expert a's 16 rows of W2 (contiguous) and their scales into L2."""
         if a < n_active:
-            e = mGroups[G_ACT + a]
+            e = sG[G_ACT + a]
             cp_async_bulk_prefetch(mW2q[e, row0, None].iterator, 16 * (I // 2))
             cp_async_bulk_prefetch(mS2[e, row0, None].iterator, 16 * (I // 32))
 
@@ -126,6 +131,7 @@ class Kernel:
         row0 = cute.arch.block_idx()[0] * 16
         smem = cutlass.utils.SmemAllocator()
         sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16)  # per (token, slot), per row
+        sG = smem.allocate_tensor(Int32, cute.make_layout((GLEN,)), 16)  # the grouping
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32, 4),
                                                            stride=(STAGES * STEPS * 256, STEPS * 256, 128, 4, 1)), 16)
@@ -134,7 +140,9 @@ class Kernel:
 
         cute.arch.griddepcontrol_wait()  # h, groups and weights come from moe_gate_up (weights: moe_route)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
-        n_active = mGroups[0]
+        load_groups(mGroups, sG, tid, THREADS)
+        cute.arch.sync_threads()
+        n_active = sG[0]
 
         g = lane // 4  # MMA rows g and g + 8, and the token column of this lane
         t = lane % 4  # which block of a k-step this lane loads
@@ -146,25 +154,25 @@ class Kernel:
         # a ring of STAGES experts in flight: one cp.async group per expert (empty past the warp's last)
         for k in cutlass.range_constexpr(STAGES - 1):
             if k < n_mine:
-                self.issue_expert(mW2q, mS2, mGroups[G_ACT + warp + k * WARPS], row0, g, t,
+                self.issue_expert(mW2q, mS2, sG[G_ACT + warp + k * WARPS], row0, g, t,
                                   sW[warp, k, None, None, None], sS[warp, k, None, None], lane)
             cute.arch.cp_async_commit_group()
         for k in cutlass.range(n_mine, unroll=1):
             if lane == 0:  # the expert after the ring's last: into L2 now
-                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, mGroups, mW2q, mS2, row0)
+                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, sG, mW2q, mS2, row0)
             nxt = k + STAGES - 1
             if nxt < n_mine:
-                self.issue_expert(mW2q, mS2, mGroups[G_ACT + warp + nxt * WARPS], row0, g, t,
+                self.issue_expert(mW2q, mS2, sG[G_ACT + warp + nxt * WARPS], row0, g, t,
                                   sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None], lane)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(STAGES - 1)  # expert k has landed
             a = warp + k * WARPS
-            e = mGroups[G_ACT + a]
-            start = G_PAIRS + mGroups[G_START + a]
-            num = mGroups[G_NUM + a]
+            e = sG[G_ACT + a]
+            start = G_PAIRS + sG[G_START + a]
+            num = sG[G_NUM + a]
             for nt in cutlass.range(0, num, 8, unroll=1):
                 col = nt + g
-                pair = mGroups[start + cutlass.min(col, num - 1)]
+                pair = sG[start + cutlass.min(col, num - 1)]
                 acc.fill(0.0)
                 for s in cutlass.range_constexpr(STEPS):  # one k-step at a time (registers: 16 warps per SM)
                     blk = 4 * s + t
@@ -178,7 +186,7 @@ class Kernel:
                 for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                     cc = nt + 2 * t + i % 2
                     if cc < num:
-                        sPart[mGroups[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
+                        sPart[sG[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
         cute.arch.sync_threads()
         for idx in cutlass.range(tid, M * 16, THREADS, unroll=1):  # combine: slot order, fp32
             m = idx // 16

@@ -52,8 +52,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, routing_weight,
-                                                 scale_big, select_topk, sigmoid, store_groups)
+from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, load_groups,
+                                                 routing_weight, scale_big, select_topk, sigmoid, store_groups)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -72,7 +72,7 @@ CTAS = 16  # persistent CTAs (tasks are strided over their task slots)
 OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
 XSTAGE = True  # every token's activations staged in shared memory once per CTA (else they travel in the ring)
-ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
+ROUTED = False  # the grouping comes from moe_route (from batch 16) instead of a selection and grouping in every CTA
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -86,6 +86,10 @@ EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
 XROW = L // 2 + 4  # words per staged token row (16 bytes of padding: rows start 4 banks apart)
+G_ACT = 1  # the parts of moe_route's grouping (store_groups): the active experts,
+G_START = 1 + MAXA  # their starts in the pairs,
+G_NUM = 1 + 2 * MAXA  # their pair counts,
+G_PAIRS = 1 + 3 * MAXA  # the pairs
 
 
 def _situ(gate, up):
@@ -97,14 +101,14 @@ def _situ(gate, up):
 
 
 class Kernel:
-    # The argument list follows templates/moe_experts.py (MoeGateUp.args): with ROUTED the ids are an input
+    # The argument list follows templates/moe_experts.py (MoeGateUp.args): with ROUTED the grouping is an input
     # (from moe_route) and h the only output.
     if ROUTED:
 
         @cute.jit
-        def __call__(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
-                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mGroups: cute.Tensor, stream):
-            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, mIds, None, mGroups, stream)
+        def __call__(self, mZ: cute.Tensor, mGroups: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
+                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, stream):
+            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, None, None, mGroups, stream)
 
     else:
 
@@ -239,7 +243,13 @@ class Kernel:
         warp = cute.arch.warp_idx()
         bid = cute.arch.block_idx()[0]
         smem = cutlass.utils.SmemAllocator()
-        sIds, sPairs, sMask, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, M, TOPK, WARPS)
+        if cutlass.const_expr(ROUTED):  # moe_route's grouping, copied in: views of its four parts
+            sG = smem.allocate_tensor(Int32, cute.make_layout((G_PAIRS + P,)), 16)
+            sAct, sStart, sNum = (cute.make_tensor(sG.iterator + o, cute.make_layout((MAXA,)))
+                                  for o in (G_ACT, G_START, G_NUM))
+            sPairs = cute.make_tensor(sG.iterator + G_PAIRS, cute.make_layout((P,)))
+        else:
+            sIds, sPairs, sMask, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, M, TOPK, WARPS)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2, 16, 8)), 16)
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, XCH, 32, 4),
@@ -249,14 +259,15 @@ class Kernel:
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 4, 32), stride=(STAGES * 128, 128, 32, 1)),
                                   16)
 
-        clear_masks(sMask, tid, E, M, THREADS)
-        if cutlass.const_expr(ROUTED):  # moe_route selected: its ids (and, through it, z) are ready after the wait
+        if cutlass.const_expr(ROUTED):  # moe_route selected and grouped: its groups (and z) are ready after the wait
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
             self.stage_x(mZq, sX, tid)
-            for p in cutlass.range(tid, P, THREADS, unroll=1):
-                sIds[p] = mIds[p // TOPK, p % TOPK]
+            load_groups(mGroups, sG, tid, THREADS)  # (waits for every cp.async group: the staged rows too)
+            cute.arch.sync_threads()
+            n_active = sG[0]
         else:
+            clear_masks(sMask, tid, E, M, THREADS)
             rBias = cute.make_rmem_tensor((EPL,), Float32)  # a static weight: loaded before the PDL wait
             for i in cutlass.range_constexpr(EPL):
                 rBias[i] = Float32(0.0)
@@ -274,13 +285,13 @@ class Kernel:
                 rCur.store(rLog.load())
                 self.load_logits(mLogits, rLog, lane, m + WARPS)
                 self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
-        if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
-            cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
-                               WARPS)
-        if bid == 0:  # the grouping for moe_down_combine (which then needs none of its own)
-            store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, MAXA, P, THREADS)
+            if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
+                cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
+                                   WARPS)
+            if bid == 0:  # the grouping for moe_down_combine (which then needs none of its own)
+                store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, MAXA, P, THREADS)
 
         g = lane // 4  # MMA row (and row + 8) of this lane, and its token column
         t = lane % 4  # which block of a k-step this lane loads

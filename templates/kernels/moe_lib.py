@@ -9,6 +9,7 @@ Templates that import this file list it in ``Template.libs`` (cache key, kernel 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
+from cutlass.cute.nvgpu import cpasync
 
 from k3compile.templates.kernels.mxfp4_lib import bf16x2_mul, decode_e2m1x8_packed, mma_bf16_16816, scale_bf16x2
 
@@ -193,6 +194,17 @@ def group_pairs(sIds: cute.Tensor, sMask: cute.Tensor, sOff: cute.Tensor, sPairs
         sPairs[sOff[e] + below] = p
     cute.arch.sync_threads()
     return n_active
+
+
+@cute.jit
+def load_groups(mGroups: cute.Tensor, sG: cute.Tensor, tid, THREADS: cutlass.Constexpr):
+    """A grouping from store_groups (global) into shared memory: 4-byte cp.async copies, all in flight at once,
+    waited for; the caller synchronises the block before reading sG."""
+    word = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+    for i in cutlass.range(tid, cute.size(sG), THREADS, unroll=1):
+        cute.copy(word, cute.local_tile(mGroups, (1,), (i,)), cute.local_tile(sG, (1,), (i,)))
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
 
 
 @cute.jit
