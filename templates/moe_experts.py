@@ -31,6 +31,8 @@ GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on
 WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
 # 128 registers a thread: no spill since the decode reads prepacked codes)
 XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in shared memory up to this size
+RING_MAX_STAGES = 4  # moe_gate_up's ring when the activations travel in it (batch >= 16 at K3), at 2 CTAs per
+# SM: a fifth stage measured slower at K3 batch 64 (298 against 286 us alone), and so did 3 CTAs of 3 stages (305)
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
@@ -172,11 +174,14 @@ class MoeGateUp(_RoutedExperts):
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
-                  ksplit: int | None = None, occ: int | None = None) -> list:
+                  ksplit: int | None = None, occ: int | None = None, stages: int | None = None) -> list:
+        # ksplit, occ, stages: None (chosen from the bucket and shared memory) unless an experiment fixes them
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
         need(occ in (None, 1, 2, 3), f"{self.name}: occ={occ!r} must be 1, 2, 3 or None (chosen by the bucket)")
+        need(stages is None or (isinstance(stages, int) and stages >= 1),
+             f"{self.name}: stages={stages!r} must be a positive int or None (chosen from shared memory)")
         need(beta > 0 and linear_beta > 0, f"{self.name}: beta={beta} and linear_beta={linear_beta} must be > 0")
         need(latent % 128 == 0, f"{self.name}: latent={latent} must be a multiple of 128 (a k-step of the MMA "
                                 f"quad covers 4 MX blocks); pad the latent size")
@@ -190,7 +195,7 @@ class MoeGateUp(_RoutedExperts):
         # each lane's token block in the cp.async ring with the weights (4-warp CTAs, 2 or 3 per SM).
         xstage = bucket * latent * 2 <= XSTAGE_MAX_BYTES
         wide = xstage and bucket > 1
-        wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2))
+        wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2) if xstage else (2,))
         occs = occs if occ is None else (occ,)
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
             if wide:  # the split that best fills the last round of tasks over the warps (expected experts)
@@ -204,9 +209,10 @@ class MoeGateUp(_RoutedExperts):
                     ksplit *= 2
         need(steps >= ksplit, f"{self.name}: ksplit={ksplit} needs latent >= {128 * ksplit} (a k-step per warp)")
         # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
-        # share of the steps, at most 8); a stage is 32 lanes x ((4 or 8) x 16 + 4 x 4) bytes (weights, the
-        # activations unless staged, scales). With 4-warp CTAs, 3 per SM or 2 with a deeper ring: whichever
-        # keeps more k-steps in flight per SM (the one being decoded does not count).
+        # share of the steps, at most 8, RING_MAX_STAGES with the activations in it); a stage is 32 lanes x
+        # ((4 or 8) x 16 + 4 x 4) bytes (weights, the activations unless staged, scales). With 4-warp CTAs and
+        # staged activations, 3 per SM or 2 with a deeper ring: whichever keeps more k-steps in flight per SM
+        # (the one being decoded does not count); with the activations in the ring, 2 per SM (measured).
         p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
         routed = bucket >= ROUTE_MIN_BUCKET
         if routed:  # moe_route's grouping, copied in
@@ -220,9 +226,9 @@ class MoeGateUp(_RoutedExperts):
         options = []
         for occ in occs:
             room = (SMEM_PER_SM // occ - 1024 - fixed) // per_stage
-            stages = min(8, my_steps, room)
-            if room >= min(2, my_steps):
-                options.append((occ * wpc * (stages - 1), occ, stages))
+            want = min(8 if xstage else RING_MAX_STAGES, my_steps, room) if stages is None else stages
+            if room >= max(want, min(2, my_steps)):
+                options.append((occ * wpc * (want - 1), occ, want))
         need(bool(options), f"{self.name}: bucket {bucket} x top_k {top_k} leaves shared memory for fewer than 2 "
                             f"k-steps in flight per warp; use a smaller bucket")
         _, occ, stages = max(options)

@@ -51,6 +51,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
+from cutlass.experimental.primitives import prefetch_l2
 
 from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, load_groups,
                                                  routing_weight, scale_big, select_topk, sigmoid, store_groups)
@@ -86,6 +87,7 @@ EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
 XROW = L // 2 + 4  # words per staged token row (16 bytes of padding: rows start 4 banks apart)
+PF_STEPS = STAGES - 1 if X_RING else 0  # k-steps of the next task prefetched (batch 2-8: no registers to spare)
 G_ACT = 1  # the parts of moe_route's grouping (store_groups): the active experts,
 G_START = 1 + MAXA  # their starts in the pairs,
 G_NUM = 1 + 2 * MAXA  # their pair counts,
@@ -207,13 +209,30 @@ class Kernel:
             rX.fill(0)
 
     @cute.jit
+    def prefetch_steps(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor, e, row0,
+                       g, t, ks):
+        """Into L2: this lane's weight chunks of the warp's first PF_STEPS k-steps of task (e, row0), and the
+        scale rows (one lane of each quad)."""
+        for r in cutlass.range_constexpr(4):
+            mW = mW1q if r < 2 else mW3q
+            mS = mS1q if r < 2 else mS3q
+            row = row0 + g + 8 * (r % 2)
+            for i in cutlass.range_constexpr(PF_STEPS):
+                if ks + i * KSPLIT < STEPS:
+                    prefetch_l2(cute.local_tile(mW[e, row, None], (4,), (4 * (ks + i * KSPLIT) + t,)).iterator)
+            if t == 0:
+                prefetch_l2(mS[e, row, None].iterator)
+
+    @cute.jit
     def stream(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
                mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, tok, valid, ks, n_my, sW: cute.Tensor,
                sS: cute.Tensor, sX: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
-               acc: cute.Tensor) -> Int32:
+               acc: cute.Tensor, pe, prow0) -> Int32:
         """This warp's k-steps ks, ks + KSPLIT, ... of one task through its ring of STAGES k-steps (one
         cp.async group per step, empty past the end), accumulated into acc; block_mma's second factor when
-        ``second``. Returns 1 when a scale byte of the lane exceeded 128 (the result then needs ``second``)."""
+        ``second``. Returns 1 when a scale byte of the lane exceeded 128 (the result then needs ``second``).
+        With pe >= 0 and PF_STEPS, STAGES steps before the end the first k-steps of the warp's next task (expert
+        pe, rows prow0 ..) are prefetched into L2, so its ring fills from L2 instead of waiting on DRAM."""
         for i in cutlass.range_constexpr(STAGES - 1):
             if i < n_my:
                 self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + i * KSPLIT,
@@ -221,6 +240,10 @@ class Kernel:
             cute.arch.cp_async_commit_group()
         big = Int32(0)
         for i in cutlass.range(n_my, unroll=1):
+            if cutlass.const_expr(PF_STEPS > 0):
+                if i == cutlass.max(n_my - STAGES, 0):
+                    if pe >= Int32(0):
+                        self.prefetch_steps(mW1q, mS1q, mW3q, mS3q, pe, prow0, g, t, ks)
             nxt = i + STAGES - 1
             if nxt < n_my:
                 self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + nxt * KSPLIT,
@@ -310,18 +333,25 @@ class Kernel:
             e = sAct[a]
             start = sStart[a]
             num = sNum[a]
+            following = task + CTAS * SLOTS  # the warp's next task: its first k-steps prefetched into L2
+            pe = Int32(-1)
+            prow0 = Int32(0)
+            if cutlass.const_expr(PF_STEPS > 0):
+                if following < n_active * RT:
+                    pe = sAct[following // RT]
+                    prow0 = (following % RT) * 16
             for nt in cutlass.range(0, num, 8, unroll=1):
                 col = nt + g
                 tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
                 acc.fill(0.0)
                 big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks, n_my,
                                   sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
-                                  acc)
+                                  acc, Int32(cutlass.select_(nt + 8 >= num, pe, Int32(-1))), prow0)
                 if cute.arch.vote_any_sync(big != Int32(0)):  # a scale byte > 128: again, exactly (rare)
                     acc.fill(0.0)
                     self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks, n_my,
                                 sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
-                                acc)
+                                acc, Int32(-1), prow0)
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                         cc = nt + 2 * t + i % 2
