@@ -1,10 +1,10 @@
 """Check and time one compiled kernel on a GPU against its template's float64 reference.
 
 ``check``: fresh random inputs (a new seed each call), every ``out`` argument poisoned first (NaN for
-floating outputs, -1 for integer ones; a ``counter`` zeroed), one call (a counter must be zero again), then
-``||out - ref|| / ||ref||`` per output and per updated ``state`` argument against the template's tolerance (in
-float64, a slice of the leading dimension at a time: a state tensor of GBs is never copied whole); any NaN or
-untouched element fails, and a tolerance of 0 means bit-exact.
+floating outputs, -1 for integer ones), one call, then ``||out - ref|| / ||ref||`` per output and per
+updated ``state`` argument against the template's tolerance (in float64, a slice of the leading dimension at a
+time: a state tensor of GBs is never copied whole); any NaN or untouched element fails, and a tolerance of 0
+means bit-exact.
 
 ``time_kernel``: the kernel inside a CUDA graph, replayed over several input sets whose combined weights
 exceed the 60 MB L2 (so repeats are not served from cache), median of many replays; beside it, torch
@@ -41,8 +41,6 @@ def device_args(point, inputs: dict, device: str = "cuda", shared: dict | None =
             out[a.name] = shared[a.name]
         elif a.role in ("out", "scratch"):
             out[a.name] = _poison(a, device)
-        elif a.role == "counter":  # zero, as the runtime hands it over; the kernel must leave it zero
-            out[a.name] = a.empty(device).zero_()
         else:
             t = inputs[a.name]
             if tuple(t.shape) != tuple(a.shape) or t.dtype != a.torch_dtype:
@@ -77,10 +75,6 @@ def compare(point, inputs: dict, dev: dict) -> dict:
     ref.update(t.copied_state(c, inputs, {a.name: dev[a.name] for a in point.args() if a.role == "out"}))
     tol = t.tolerance(c)
     errors, problems = {}, []
-    for a in point.args():
-        if a.role == "counter" and int(dev[a.name].count_nonzero()):
-            problems.append(f"{a.name}: counter left at {dev[a.name].tolist()}, not zero (the next launch would "
-                            f"misread it)")
     for name, r in ref.items():
         got = dev[name]
         if not got.is_floating_point():

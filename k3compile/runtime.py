@@ -163,9 +163,6 @@ class Kernel:
         self.point, self.fn, self.name = point, fn, point.name
         self.args = point.args()
         self.device = device
-        # counters: kept by the kernel across launches (it leaves them zero), so allocated once, zeroed
-        self.counters = {a.name: torch.zeros(a.shape, dtype=a.torch_dtype, device=device) for a in self.args
-                         if a.role == "counter"}
 
     def __call__(self, **given) -> dict[str, torch.Tensor]:
         tensors, outs = [], {}
@@ -173,8 +170,6 @@ class Kernel:
             if a.role in ("out", "scratch"):  # scratch: the kernel writes what it reads (no clearing)
                 t = torch.empty(a.shape, dtype=a.torch_dtype, device=self.device)
                 outs[a.name] = t
-            elif a.role == "counter":
-                t = self.counters[a.name]
             else:
                 t = _fit(self.name, a, given[a.name])
                 if a.layout is not None:
@@ -439,17 +434,16 @@ class Binding:
 
     # -- experts and attention ---------------------------------------------------------------------
     def _routed_experts(self, a, *ks):
-        """gate/up selects and groups the experts itself (two kernels), or from ROUTE_MIN_BUCKET moe_route selects
-        and groups once and gate/up reads its grouping (three); down reads the grouping of the pairs by expert."""
+        """gate/up selects the experts itself (two kernels), or from ROUTE_MIN_BUCKET moe_route selects once and
+        gate/up reads its ids (three); down reads gate/up's grouping of the pairs by expert."""
         *route, gate_up, down = ks
         w = {n: a[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale")}
         if route:
             sel = route[0](logits=a["logits"], score_bias=a["score_bias"])
-            h = gate_up(z=a["z"], groups=sel["groups"], **w)["h"]
+            gu = gate_up(z=a["z"], ids=sel["ids"], **w)
         else:
-            sel = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
-            h = sel["h"]
-        return down(h=h, groups=sel["groups"], weights=sel["weights"], w2_packed=a["w2_packed"],
+            sel = gu = gate_up(z=a["z"], logits=a["logits"], score_bias=a["score_bias"], **w)
+        return down(h=gu["h"], groups=gu["groups"], weights=sel["weights"], w2_packed=a["w2_packed"],
                     w2_scale=a["w2_scale"])["y"]
 
     def _kda_decode_fb(self, a, k):

@@ -16,9 +16,7 @@ Argument roles: ``weight`` (static: may be loaded or prefetched before the kerne
 ``act`` (activation input), ``state`` (decode state, read and written in place), ``out`` (written by
 the kernel; the tests poison it with NaN first) and ``scratch`` (workspace the kernel owns, e.g. split-K
 partials: its contents on entry are undefined, the kernel writes every element before reading it; the GPU tests
-poison it like an output and the runtime never clears it). ``counter``: an integer the kernel keeps across
-launches and leaves at zero when it exits (a ticket its CTAs draw to find the last one): zeroed once when the
-runtime loads the kernel (the GPU tests check it is zero again after each call).
+poison it like an output and the runtime never clears it).
 
 A ``weight`` argument may declare a ``layout``: the kernel reads it in a layout of its own, made from the
 model's tensor once (``to_kernel_layout``: the runtime keeps the result with the weight, the kernel tests and
@@ -40,7 +38,7 @@ import torch
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 BEGIN, END = "# >>> constants", "# <<< constants"
-ROLES = ("weight", "act", "state", "out", "scratch", "comm", "counter")
+ROLES = ("weight", "act", "state", "out", "scratch", "comm")
 # comm: a communication buffer or flag pad the runtime owns (symmetric memory shared with the peer ranks);
 # passed as it is (never copied) and possibly written in place, like state.
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "u8": torch.uint8, "i32": torch.int32,
@@ -195,7 +193,7 @@ class Template:
     def bytes(self, c: dict) -> int:
         """Bytes that must move: every argument read once, every output written once."""
         return sum(a.nbytes * (2 if a.role == "state" else 1) for a in self.args(c)
-                   if a.role not in ("scratch", "comm", "counter"))
+                   if a.role not in ("scratch", "comm"))
 
     def bytes_of(self, c: dict, inputs: dict) -> int:
         """Bytes one call moves for these inputs (what ``bench-kernels`` takes as the floor): ``bytes(c)`` unless

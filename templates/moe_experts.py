@@ -214,12 +214,8 @@ class MoeGateUp(_RoutedExperts):
         # staged activations, 3 per SM or 2 with a deeper ring: whichever keeps more k-steps in flight per SM
         # (the one being decoded does not count); with the activations in the ring, 2 per SM (measured).
         p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
-        routed = bucket >= ROUTE_MIN_BUCKET
-        if routed:  # moe_route's grouping, copied in
-            grouping = 4 * (1 + 3 * maxa + p)
-        else:  # group_pairs' buffers (its token masks: a bit per token)
-            grouping = 4 * (2 * p + n_experts * ((bucket + 31) // 32) + n_experts + 3 * maxa + 2 * wpc)
-        fixed = grouping + 4 * wpc * 256 + 1024  # grouping, sRed, padding
+        mask = n_experts * ((bucket + 31) // 32)  # group_pairs' token masks
+        fixed = 4 * (2 * p + mask + n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, pad
         fixed += bucket * (latent * 2 + 16) if xstage else 16  # the staged rows (16 bytes of padding each)
         per_stage = wpc * 32 * ((4 if xstage else 8) * 16 + 4 * 4)
         my_steps = -(-steps // ksplit)
@@ -249,8 +245,8 @@ class MoeGateUp(_RoutedExperts):
                 const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)"),
                 const("XSTAGE", xstage, "every token's activations staged in shared memory once per CTA (else "
                                         "they travel in the ring)"),
-                const("ROUTED", routed, f"the grouping comes from moe_route (from batch {ROUTE_MIN_BUCKET}) "
-                                        f"instead of a selection and grouping in every CTA")]
+                const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
+                                                            f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
@@ -258,10 +254,10 @@ class MoeGateUp(_RoutedExperts):
                    Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
                    Arg("w3_packed", "u8", (e, i, l // 2), "weight", layout="mxfp4_prepacked"),
                    Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
-        if c["ROUTED"]:
-            return [Arg("z", "bf16", (m, l), "act"), Arg("groups", "i32", (group_len(c),), "act"), *weights,
-                    Arg("h", "bf16", (m, k, i), "out")]
         groups = Arg("groups", "i32", (group_len(c),), "out")
+        if c["ROUTED"]:
+            return [Arg("z", "bf16", (m, l), "act"), Arg("ids", "i32", (m, k), "act"), *weights,
+                    Arg("h", "bf16", (m, k, i), "out"), groups]
         return [Arg("z", "bf16", (m, l), "act"), Arg("logits", "f32", (m, e), "act"),
                 Arg("score_bias", "f32", (e,), "weight"), *weights,
                 Arg("h", "bf16", (m, k, i), "out"), Arg("ids", "i32", (m, k), "out"),
@@ -274,17 +270,16 @@ class MoeGateUp(_RoutedExperts):
         logits, bias = torch.randn(m, e, generator=gen), 0.1 * torch.randn(e, generator=gen)
         out = {"z": torch.randn(m, l, generator=gen).to(torch.bfloat16),
                "w1_packed": w1, "w1_scale": s1, "w3_packed": w3, "w3_scale": s3}
-        if c["ROUTED"]:  # the grouping of the ids moe_route selects
-            out["groups"] = ref_groups(select_reference(logits, bias, c["TOPK"], c["RENORMALIZE"], c["SCALING"])[1],
-                                       e)
+        if c["ROUTED"]:  # ids as moe_route selects them
+            out["ids"] = select_reference(logits, bias, c["TOPK"], c["RENORMALIZE"], c["SCALING"])[1].to(torch.int32)
         else:
             out.update(logits=logits, score_bias=bias)
         return out
 
     def _ids(self, c, d):
-        """(routing weights or None, ids): selected from the logits, or from moe_route's grouping (ROUTED)."""
+        """(routing weights or None, ids): selected from the logits, or moe_route's ids (ROUTED)."""
         if c["ROUTED"]:
-            return None, ids_from_groups(d["groups"], c["TOPK"], c["E"])
+            return None, d["ids"].long()
         return select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
 
     def torch_baseline(self, c, d):
@@ -298,8 +293,8 @@ class MoeGateUp(_RoutedExperts):
             gate = torch.matmul(z, dequantize(d["w1_packed"][ids], d["w1_scale"][ids]).transpose(-1, -2))[..., 0, :]
             up = torch.matmul(z, dequantize(d["w3_packed"][ids], d["w3_scale"][ids]).transpose(-1, -2))[..., 0, :]
             d["h"].copy_(ops.situ_glu(gate, up, c["BETA"], c["LINEAR_BETA"]))
+            d["groups"].copy_(ref_groups(ids, c["E"]))
             if not c["ROUTED"]:
-                d["groups"].copy_(ref_groups(ids, c["E"]))
                 d["ids"].copy_(ids)
                 d["weights"].copy_(w)
         return run
@@ -311,9 +306,10 @@ class MoeGateUp(_RoutedExperts):
         up = _bf16(_per_expert(ids, z, inputs["w3_packed"], inputs["w3_scale"], c["I"]))
         b, lb = c["BETA"], c["LINEAR_BETA"]
         h = b * torch.tanh(gate / b) * torch.sigmoid(gate) * (lb * torch.tanh(up / lb))
+        groups = ref_groups(ids, c["E"])
         if c["ROUTED"]:
-            return {"h": h}
-        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double(), "groups": ref_groups(ids, c["E"])}
+            return {"h": h, "groups": groups}
+        return {"h": h, "ids": ids.to(torch.int32), "weights": weights.double(), "groups": groups}
 
     def tolerance(self, c):
         return {"h": 1e-2, "weights": 1e-5}
@@ -324,7 +320,7 @@ class MoeGateUp(_RoutedExperts):
     def bytes(self, c):
         per_expert = 2 * c["I"] * (c["L"] // 2 + c["L"] // 32)  # W1 + W3 codes and scales
         if c["ROUTED"]:
-            acts, outs = c["M"] * 2 * c["L"], c["M"] * c["TOPK"] * 2 * c["I"]  # z (and groups, below); h
+            acts, outs = c["M"] * (2 * c["L"] + 4 * c["TOPK"]), c["M"] * c["TOPK"] * 2 * c["I"]  # z, ids; h, groups
         else:
             acts = c["M"] * (2 * c["L"] + 4 * c["E"]) + 4 * c["E"]  # z, logits, bias
             outs = c["M"] * c["TOPK"] * (2 * c["I"] + 8)
@@ -335,8 +331,7 @@ class MoeRoute(_RoutedExperts):
     name = "moe_route"
     kernel_file = "moe_route.py"
     libs = ("mxfp4_lib.py", "moe_lib.py")
-    doc = ("router top-k (sigmoid + biased top-k, renormalised weights) once per step, a warp per token; the last "
-           "CTA groups the pairs by expert")
+    doc = "router top-k (sigmoid + biased top-k, renormalised weights) once per step, a warp per token"
 
     def examples(self):  # the buckets that launch it
         ex = {f"{cfg}_b{b}": {"bucket": b, "n_experts": shape["n_experts"], "top_k": shape["top_k"], **_ROUTING}
@@ -358,8 +353,7 @@ class MoeRoute(_RoutedExperts):
     def args(self, c):
         m, e, k = c["M"], c["E"], c["TOPK"]
         return [Arg("logits", "f32", (m, e), "act"), Arg("score_bias", "f32", (e,), "weight"),
-                Arg("ids", "i32", (m, k), "out"), Arg("weights", "f32", (m, k), "out"),
-                Arg("groups", "i32", (group_len(c),), "out"), Arg("ticket", "i32", (1,), "counter")]
+                Arg("ids", "i32", (m, k), "out"), Arg("weights", "f32", (m, k), "out")]
 
     def random_inputs(self, c, gen):
         return {"logits": torch.randn(c["M"], c["E"], generator=gen),
@@ -370,13 +364,12 @@ class MoeRoute(_RoutedExperts):
             w, ids = select_reference(d["logits"], d["score_bias"], c["TOPK"], c["RENORMALIZE"], c["SCALING"])
             d["ids"].copy_(ids)
             d["weights"].copy_(w)
-            d["groups"].copy_(ref_groups(ids, c["E"]))
         return run
 
     def reference(self, c, inputs):
         weights, ids = select_reference(inputs["logits"], inputs["score_bias"], c["TOPK"], c["RENORMALIZE"],
                                         c["SCALING"])
-        return {"ids": ids.to(torch.int32), "weights": weights.double(), "groups": ref_groups(ids, c["E"])}
+        return {"ids": ids.to(torch.int32), "weights": weights.double()}
 
     def tolerance(self, c):
         return {"weights": 1e-5}
@@ -385,7 +378,7 @@ class MoeRoute(_RoutedExperts):
         return 0
 
     def bytes(self, c):
-        return 4 * (c["M"] * c["E"] + c["E"] + 3 * c["M"] * c["TOPK"] + group_len(c))  # ids read back once
+        return 4 * (c["M"] * c["E"] + c["E"] + 2 * c["M"] * c["TOPK"])
 
 
 class MoeDownCombine(_RoutedExperts):

@@ -58,7 +58,7 @@ P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
 SCALE_RING = NB % 4 == 0  # scale rows are whole 4-byte words: the scales travel in the ring too
-G_ACT = 1  # the parts of the grouping (moe_lib.store_groups: moe_gate_up's or moe_route's): the active experts,
+G_ACT = 1  # the parts of moe_gate_up's grouping (moe_lib.store_groups): the active experts,
 G_START = 1 + MAXA  # their starts in the pairs,
 G_NUM = 1 + 2 * MAXA  # their pair counts,
 G_PAIRS = 1 + 3 * MAXA  # the pairs

@@ -51,10 +51,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
-from cutlass.experimental.primitives import prefetch_l2
 
-from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, load_groups,
-                                                 routing_weight, scale_big, select_topk, sigmoid, store_groups)
+from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, routing_weight,
+                                                 scale_big, select_topk, sigmoid, store_groups)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -73,7 +72,7 @@ CTAS = 16  # persistent CTAs (tasks are strided over their task slots)
 OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
 XSTAGE = True  # every token's activations staged in shared memory once per CTA (else they travel in the ring)
-ROUTED = False  # the grouping comes from moe_route (from batch 16) instead of a selection and grouping in every CTA
+ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -87,11 +86,6 @@ EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
 XROW = L // 2 + 4  # words per staged token row (16 bytes of padding: rows start 4 banks apart)
-PF_STEPS = STAGES - 1 if X_RING else 0  # k-steps of the next task prefetched (batch 2-8: no registers to spare)
-G_ACT = 1  # the parts of moe_route's grouping (store_groups): the active experts,
-G_START = 1 + MAXA  # their starts in the pairs,
-G_NUM = 1 + 2 * MAXA  # their pair counts,
-G_PAIRS = 1 + 3 * MAXA  # the pairs
 
 
 def _situ(gate, up):
@@ -103,14 +97,14 @@ def _situ(gate, up):
 
 
 class Kernel:
-    # The argument list follows templates/moe_experts.py (MoeGateUp.args): with ROUTED the grouping is an input
+    # The argument list follows templates/moe_experts.py (MoeGateUp.args): with ROUTED the ids are an input
     # (from moe_route) and h the only output.
     if ROUTED:
 
         @cute.jit
-        def __call__(self, mZ: cute.Tensor, mGroups: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
-                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, stream):
-            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, None, None, mGroups, stream)
+        def __call__(self, mZ: cute.Tensor, mIds: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
+                     mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mGroups: cute.Tensor, stream):
+            self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, mIds, None, mGroups, stream)
 
     else:
 
@@ -209,30 +203,13 @@ class Kernel:
             rX.fill(0)
 
     @cute.jit
-    def prefetch_steps(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor, e, row0,
-                       g, t, ks):
-        """Into L2: this lane's weight chunks of the warp's first PF_STEPS k-steps of task (e, row0), and the
-        scale rows (one lane of each quad)."""
-        for r in cutlass.range_constexpr(4):
-            mW = mW1q if r < 2 else mW3q
-            mS = mS1q if r < 2 else mS3q
-            row = row0 + g + 8 * (r % 2)
-            for i in cutlass.range_constexpr(PF_STEPS):
-                if ks + i * KSPLIT < STEPS:
-                    prefetch_l2(cute.local_tile(mW[e, row, None], (4,), (4 * (ks + i * KSPLIT) + t,)).iterator)
-            if t == 0:
-                prefetch_l2(mS[e, row, None].iterator)
-
-    @cute.jit
     def stream(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
                mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, tok, valid, ks, n_my, sW: cute.Tensor,
                sS: cute.Tensor, sX: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
-               acc: cute.Tensor, pe, prow0) -> Int32:
+               acc: cute.Tensor) -> Int32:
         """This warp's k-steps ks, ks + KSPLIT, ... of one task through its ring of STAGES k-steps (one
         cp.async group per step, empty past the end), accumulated into acc; block_mma's second factor when
-        ``second``. Returns 1 when a scale byte of the lane exceeded 128 (the result then needs ``second``).
-        With pe >= 0 and PF_STEPS, STAGES steps before the end the first k-steps of the warp's next task (expert
-        pe, rows prow0 ..) are prefetched into L2, so its ring fills from L2 instead of waiting on DRAM."""
+        ``second``. Returns 1 when a scale byte of the lane exceeded 128 (the result then needs ``second``)."""
         for i in cutlass.range_constexpr(STAGES - 1):
             if i < n_my:
                 self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + i * KSPLIT,
@@ -240,10 +217,6 @@ class Kernel:
             cute.arch.cp_async_commit_group()
         big = Int32(0)
         for i in cutlass.range(n_my, unroll=1):
-            if cutlass.const_expr(PF_STEPS > 0):
-                if i == cutlass.max(n_my - STAGES, 0):
-                    if pe >= Int32(0):
-                        self.prefetch_steps(mW1q, mS1q, mW3q, mS3q, pe, prow0, g, t, ks)
             nxt = i + STAGES - 1
             if nxt < n_my:
                 self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + nxt * KSPLIT,
@@ -266,13 +239,7 @@ class Kernel:
         warp = cute.arch.warp_idx()
         bid = cute.arch.block_idx()[0]
         smem = cutlass.utils.SmemAllocator()
-        if cutlass.const_expr(ROUTED):  # moe_route's grouping, copied in: views of its four parts
-            sG = smem.allocate_tensor(Int32, cute.make_layout((G_PAIRS + P,)), 16)
-            sAct, sStart, sNum = (cute.make_tensor(sG.iterator + o, cute.make_layout((MAXA,)))
-                                  for o in (G_ACT, G_START, G_NUM))
-            sPairs = cute.make_tensor(sG.iterator + G_PAIRS, cute.make_layout((P,)))
-        else:
-            sIds, sPairs, sMask, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, M, TOPK, WARPS)
+        sIds, sPairs, sMask, sOff, sAct, sStart, sNum, sTot = group_buffers(smem, E, M, TOPK, WARPS)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 2, 16, 8)), 16)
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, XCH, 32, 4),
@@ -282,15 +249,14 @@ class Kernel:
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 4, 32), stride=(STAGES * 128, 128, 32, 1)),
                                   16)
 
-        if cutlass.const_expr(ROUTED):  # moe_route selected and grouped: its groups (and z) are ready after the wait
+        clear_masks(sMask, tid, E, M, THREADS)
+        if cutlass.const_expr(ROUTED):  # moe_route selected: its ids (and, through it, z) are ready after the wait
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
             self.stage_x(mZq, sX, tid)
-            load_groups(mGroups, sG, tid, THREADS)  # (waits for every cp.async group: the staged rows too)
-            cute.arch.sync_threads()
-            n_active = sG[0]
+            for p in cutlass.range(tid, P, THREADS, unroll=1):
+                sIds[p] = mIds[p // TOPK, p % TOPK]
         else:
-            clear_masks(sMask, tid, E, M, THREADS)
             rBias = cute.make_rmem_tensor((EPL,), Float32)  # a static weight: loaded before the PDL wait
             for i in cutlass.range_constexpr(EPL):
                 rBias[i] = Float32(0.0)
@@ -308,13 +274,13 @@ class Kernel:
                 rCur.store(rLog.load())
                 self.load_logits(mLogits, rLog, lane, m + WARPS)
                 self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
-            if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
-                cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
-                                   WARPS)
-            if bid == 0:  # the grouping for moe_down_combine (which then needs none of its own)
-                store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, MAXA, P, THREADS)
+        if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
+            cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
+                               WARPS)
+        if bid == 0:  # the grouping for moe_down_combine (which then needs none of its own)
+            store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, MAXA, P, THREADS)
 
         g = lane // 4  # MMA row (and row + 8) of this lane, and its token column
         t = lane % 4  # which block of a k-step this lane loads
@@ -333,25 +299,18 @@ class Kernel:
             e = sAct[a]
             start = sStart[a]
             num = sNum[a]
-            following = task + CTAS * SLOTS  # the warp's next task: its first k-steps prefetched into L2
-            pe = Int32(-1)
-            prow0 = Int32(0)
-            if cutlass.const_expr(PF_STEPS > 0):
-                if following < n_active * RT:
-                    pe = sAct[following // RT]
-                    prow0 = (following % RT) * 16
             for nt in cutlass.range(0, num, 8, unroll=1):
                 col = nt + g
                 tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
                 acc.fill(0.0)
                 big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks, n_my,
                                   sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
-                                  acc, Int32(cutlass.select_(nt + 8 >= num, pe, Int32(-1))), prow0)
+                                  acc)
                 if cute.arch.vote_any_sync(big != Int32(0)):  # a scale byte > 128: again, exactly (rare)
                     acc.fill(0.0)
                     self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, col < num, ks, n_my,
                                 sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
-                                acc, Int32(-1), prow0)
+                                acc)
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                         cc = nt + 2 * t + i % 2

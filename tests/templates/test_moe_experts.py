@@ -141,8 +141,6 @@ def _gate_up_smem(env):  # the kernel's allocations, in its order (moe_gate_up.k
     masks = env["E"] * ((env["M"] + 31) // 32)  # group_pairs' token masks
     grouping = [4 * n for n in (env["P"], env["P"], masks, env["E"], env["MAXA"], env["MAXA"], env["MAXA"],
                                 2 * env["WARPS"])]
-    if env["ROUTED"]:  # moe_route's grouping, copied in
-        grouping = [4 * (env["G_PAIRS"] + env["P"])]
     ring = 4 * env["WARPS"] * env["STAGES"] * env["XCH"] * 128
     x = 4 * (env["M"] * env["XROW"] if env["XSTAGE"] else 4)
     return _allocated(grouping + [4 * env["WARPS"] * 2 * 16 * 8, ring, x, 4 * env["WARPS"] * env["STAGES"] * 128])
@@ -304,9 +302,9 @@ def test_route_reference_and_routed_gate_up_agree_with_dialect(label):
     assert routed["ROUTED"] and not selecting["ROUTED"]
     g = GU.random_inputs(selecting, torch.Generator().manual_seed(3))
     h_sel = GU.reference(selecting, g)
-    assert torch.equal(ref["groups"], ref_groups(ids_sel, c["E"]))
-    h_routed = GU.reference(routed, {**g, "groups": h_sel["groups"]})  # (the reference takes M from the inputs)
-    assert set(h_routed) == {"h"} and torch.equal(h_routed["h"], h_sel["h"])
+    h_routed = GU.reference(routed, {**g, "ids": h_sel["ids"]})  # (the reference takes M from the inputs)
+    assert set(h_routed) == {"h", "groups"} and torch.equal(h_routed["h"], h_sel["h"])
+    assert torch.equal(h_routed["groups"], h_sel["groups"])
 
 
 def test_random_inputs_shapes_and_ranges():
@@ -315,7 +313,7 @@ def test_random_inputs_shapes_and_ranges():
             c = T.point(**T.examples()[label]).c
             inp = T.random_inputs(c, torch.Generator().manual_seed(0))
             for a in T.args(c):
-                if a.role in ("out", "counter"):
+                if a.role == "out":
                     continue
                 t = inp[a.name]
                 assert tuple(t.shape) == a.shape and t.dtype == a.torch_dtype, (label, a.name)
