@@ -7,9 +7,10 @@ experts in slot order, then bf16). h and the grouping of the (token, slot) pairs
 by moe_gate_up: moe_lib.store_groups) come from moe_gate_up, the weights from it or from moe_route. Under TP, y
 is this rank's partial sum.
 
-Grid: one CTA per tile of 16 output rows (l). Every CTA copies the grouping into shared memory (read in place
-from global memory, its dependent loads made down 10 % slower at batch 8; grouping in each CTA took 26 KB more
-shared memory at batch 64, half the warps an SM could hold), then its WARPS warps take
+Grid: one CTA per tile of 16 output rows (l). Every CTA copies the grouping into shared memory (cp.async, one
+barrier) instead of grouping the ids itself, which at batch 64 took 26 KB more shared memory and held the CTA
+to 4 warps (8 now: 173 -> 144 us in the KDA layer; at batch 8 the copy measured 1.5-3 us slower than the
+grouping, cause not found; read in place from global memory, 4 us slower). Its WARPS warps take
 the active experts in turn: for expert e the
 warp runs W2[e] rows l0..l0+15 against the h rows of the tokens that picked e, 8 tokens per
 ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate; rows are the MMA's M, tokens its N), over the whole
