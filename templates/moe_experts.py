@@ -225,6 +225,8 @@ class MoeGateUp(_RoutedExperts):
             want = min(8 if xstage else RING_MAX_STAGES, my_steps, room) if stages is None else stages
             if room >= max(want, min(2, my_steps)):
                 options.append((occ * wpc * (want - 1), occ, want))
+        need(bool(options) or stages is None, f"{self.name}: stages={stages} do not fit in shared memory at "
+                                              f"{occs} CTAs per SM; use fewer stages (or stages=None)")
         need(bool(options), f"{self.name}: bucket {bucket} x top_k {top_k} leaves shared memory for fewer than 2 "
                             f"k-steps in flight per warp; use a smaller bucket")
         _, occ, stages = max(options)

@@ -16,8 +16,8 @@ import torch
 from k3compile import dialect
 from k3compile.models import mxfp4
 from k3compile.templates import TemplateError, get
-from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, ROUTE_MIN_BUCKET, group_len, ids_from_groups,
-                                              ref_groups)
+from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, RING_MAX_STAGES, ROUTE_MIN_BUCKET, group_len,
+                                              ids_from_groups, ref_groups)
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
 from template_checks import module_constants
 from k3compile.mxfp4_mirror import (decode_e2m1x8_packed, every_byte_every_scale, packed_source_bits, prepack,
@@ -178,6 +178,19 @@ def test_gate_up_stages_the_activations_up_to_batch_8_at_k3_shapes():
         assert (c["XSTAGE"], c["WARPS"], c["KSPLIT"]) == (staged, warps, ksplit), b
         if staged and b > 1:
             assert (c["OCC"], c["CTAS"]) == (1, 96 if b == 2 else 132), b
+
+
+def test_gate_up_ring_cap_and_tuning_knobs():
+    # with the activations in the ring (batch >= 16 at K3): 2 CTAs per SM, at most RING_MAX_STAGES stages (a fifth
+    # measured slower at batch 64); occ / stages fix them for an experiment, checked against shared memory
+    ex = GU.examples()["k3tp8_b64"]
+    assert (GU.point(**ex).c["OCC"], GU.point(**ex).c["STAGES"]) == (2, RING_MAX_STAGES)
+    assert (GU.point(**ex, occ=3).c["OCC"], GU.point(**ex, occ=3).c["STAGES"]) == (3, 2)
+    assert GU.point(**ex, stages=2).c["STAGES"] == 2 and GU.point(**ex, occ=2, stages=3).c["STAGES"] == 3
+    assert GU.point(**GU.examples()["k3tp8_b1"]).c["STAGES"] == 5  # staged activations: not capped
+    for bad, msg in (({"occ": 4}, "occ"), ({"stages": 0}, "stages"), ({"stages": 5}, "stages=5 do not fit")):
+        with pytest.raises(TemplateError, match=msg):
+            GU.point(**ex, **bad)
 
 
 def test_balanced_split_fills_the_last_round():
