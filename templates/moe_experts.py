@@ -32,7 +32,8 @@ WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations 
 # 128 registers a thread: no spill since the decode reads prepacked codes)
 XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in shared memory up to this size
 RING_MAX_STAGES = 4  # moe_gate_up's ring when the activations travel in it (batch >= 16 at K3), at 2 CTAs per
-# SM: a fifth stage measured slower at K3 batch 64 (298 against 286 us alone), and so did 3 CTAs of 3 stages (305)
+# SM: at K3 batch 64 a fifth stage measured slower (298 against 286 us alone, in a variant that read moe_route's
+# grouping), and so did 3 CTAs of 3 stages (305)
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
