@@ -204,7 +204,7 @@ def test_balanced_split_fills_the_last_round():
 
 
 def test_down_takes_8_warps_where_two_stages_fit():
-    # batch 64 too, since the grouping moved to global memory (26 KB less shared memory per CTA)
+    # batch 64 too, since down reads gate/up's grouping instead of grouping the ids (26 KB less shared memory)
     for b, warps, stages in ((1, 8, 2), (8, 8, 3), (32, 8, 2), (64, 8, 2)):
         c = DC.point(bucket=b, **_K3).c
         assert (c["WARPS"], c["STAGES"]) == (warps, stages), b
