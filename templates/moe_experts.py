@@ -83,16 +83,15 @@ def ref_groups(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
                       pairs]).to(torch.int32)
 
 
-def ids_from_groups(groups: torch.Tensor, top_k: int, n_experts: int) -> torch.Tensor:
-    """ids [M, TOPK] back from ``groups`` (its length gives M; no host sync)."""
-    n = groups.numel() - 1  # 4 P while P <= E, else 3 E + P
-    p = n // 4 if n <= 4 * n_experts else n - 3 * n_experts
-    m, maxa = p // top_k, min(n_experts, p)
+def ids_from_groups(groups: torch.Tensor, c) -> torch.Tensor:
+    """ids [M, TOPK] back from ``groups`` (no host sync)."""
+    m, p = c["M"], c["M"] * c["TOPK"]
+    maxa = min(c["E"], p)
     g = groups.long()
     act, num, pairs = g[1:1 + maxa], g[1 + 2 * maxa:1 + 3 * maxa], g[1 + 3 * maxa:]
     ids = torch.empty(p, dtype=torch.long, device=groups.device)
     ids[pairs] = torch.repeat_interleave(act, num, output_size=p)
-    return ids.reshape(m, top_k)
+    return ids.reshape(m, c["TOPK"])
 
 
 def _balanced_split(tasks: int, slots: int, steps: int) -> int:
@@ -438,14 +437,14 @@ class MoeDownCombine(_RoutedExperts):
         from k3compile.models.mxfp4 import dequantize
 
         def run():
-            ids = ids_from_groups(d["groups"], c["TOPK"], c["E"])
+            ids = ids_from_groups(d["groups"], c)
             w2 = dequantize(d["w2_packed"][ids], d["w2_scale"][ids])  # [M, K, L, I] bf16
             y = torch.matmul(d["h"][..., None, :], w2.transpose(-1, -2))[..., 0, :]
             d["y"].copy_((y.float() * d["weights"][..., None]).sum(1))
         return run
 
     def reference(self, c, inputs):
-        ids = ids_from_groups(inputs["groups"], c["TOPK"], c["E"])
+        ids = ids_from_groups(inputs["groups"], c)
         y = _bf16(_per_expert(ids, inputs["h"].double(), inputs["w2_packed"], inputs["w2_scale"], c["L"]))
         # ^ per-expert result rounded to bf16, as the eager matmul returns it
         return {"y": (y * inputs["weights"].double()[..., None]).sum(1)}

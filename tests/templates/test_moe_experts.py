@@ -222,7 +222,7 @@ def test_groups_reference_is_the_kernels_deterministic_grouping():
         ids = logits.topk(c["TOPK"], -1).indices
         g = ref_groups(ids, c["E"])
         assert g.numel() == group_len(c) and int(g[0]) == len(torch.unique(ids))
-        assert torch.equal(ids_from_groups(g, c["TOPK"], c["E"]), ids)
+        assert torch.equal(ids_from_groups(g, c), ids)
         maxa = min(c["E"], c["M"] * c["TOPK"])
         pairs = g[1 + 3 * maxa:]
         assert sorted(pairs.tolist()) == list(range(c["M"] * c["TOPK"]))
@@ -338,7 +338,7 @@ def test_random_inputs_shapes_and_ranges():
                     assert 116 <= int(inp[k].min()) and int(inp[k][n_big:].max()) <= 128, (label, k)
                     assert int(inp[k][:n_big].max()) > 128 and int(inp[k][:n_big].min()) >= 120, (label, k)
     c = DC.point(**DC.examples()["k3tp8_b8"]).c
-    ids = ids_from_groups(DC.random_inputs(c, torch.Generator().manual_seed(0))["groups"], c["TOPK"], c["E"])
+    ids = ids_from_groups(DC.random_inputs(c, torch.Generator().manual_seed(0))["groups"], c)
     assert all(len(set(r.tolist())) == c["TOPK"] for r in ids)
 
 
