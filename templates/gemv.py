@@ -47,23 +47,26 @@ SMEM_BUDGET = 216 * 1024  # bytes of shared memory one CTA of the tensor-core pa
 
 
 def mma_smem(m: int, warps: int, rt: int, stages: int) -> int:
-    """Shared memory of one tensor-core-path CTA: the weight ring (per stage and warp a 32-element slice of the
-    16 * rt rows), whose bytes the fp32 partial sums of every warp reuse after the K loop, and the activation
-    ring (per stage and warp a slice of the m rows)."""
-    return max(stages * warps * 16 * rt * 64, warps * m * 16 * rt * 4) + stages * warps * m * 64
+    """Shared memory of one tensor-core-path CTA: the ring (per stage and warp a 32-element slice of the 16 * rt
+    weight rows and of the m activation rows), whose bytes the fp32 partial sums of every warp reuse after the K
+    loop."""
+    return max(stages * warps * (16 * rt + m) * 64, warps * m * 16 * rt * 4)
 
 
 def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(warps, row tiles per CTA, ring stages, grid) of the tensor-core path at batch m, W [n, k].
 
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
-    accumulators stay <= 128 registers). The warps split each K stage into 32-element slices (8 warps for m <= 16,
-    else 4: the cross-warp reduction buffer grows with m); the ring is as deep as the shared-memory budget allows
+    accumulators stay <= 128 registers). The warps split each K stage into 32-element slices: 8 warps (at batch 64
+    a thread then needs 254 registers, so one CTA per SM, two warps per scheduler: the GEMVs of the K3 TP8 shard
+    measured 10-20 % faster alone than with 4), or 4 where the grid needs more than one wave (two CTAs per SM:
+    the lm_head's 20480 rows at batch 32 and 64); the ring is as deep as the shared-memory budget allows
     (halved when the grid needs two CTAs per SM), at most MAX_STAGES and no more than K has (mma_smem: the
     reduction reuses the ring's bytes); RT shrinks until two stages fit SMEM_BUDGET (the lm_head's 20480 rows)."""
     nt = m // 8
-    warps = 8 if m <= 16 else 4
     rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
+    grid = math.ceil(n / (16 * rt))
+    warps = 8 if m <= 16 or grid <= SMS else 4
     while rt > 1 and mma_smem(m, warps, rt, 2) > SMEM_BUDGET:  # two stages must fit (large N: more waves instead)
         rt -= 1
     grid = math.ceil(n / (16 * rt))

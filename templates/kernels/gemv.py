@@ -337,10 +337,11 @@ class Kernel:
         element is read from shared memory once. In a slice, lane (g, t) reads elements 8t .. 8t+7 of rows g
         and g + 8 of each row tile and of batch row g of each column tile (one 128-bit load each; rows 64
         bytes apart, no bank conflicts); MMA i of the slice takes elements 8t + 4i .. 8t + 4i + 3 as its
-        logical k (2t, 2t+1, 2t+8, 2t+9), a permutation of K that a dot product allows. The warps' partial
-        sums meet in shared memory, in the weight ring's bytes once the K loop is done (so the ring is as deep
-        as the shared memory allows, not less the reduction buffer); the output rows are written contiguously
-        along N."""
+        logical k (2t, 2t+1, 2t+8, 2t+9), a permutation of K that a dot product allows. A warp issues the
+        MMAs of a column tile's two k-halves row tile by row tile, so no MMA waits for the one just before it
+        (the accumulator is the same). The warps' partial sums meet in shared memory, in the ring's bytes once
+        the K loop is done (so the ring is as deep as the shared memory allows, not less the reduction buffer);
+        the output rows are written contiguously along N."""
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         tid = cute.arch.thread_idx()[0]
@@ -353,14 +354,14 @@ class Kernel:
         t = lane % 4
         smem = cutlass.utils.SmemAllocator()
         # row-major: [slot, slice, row, 16 words]; a row's 32 elements of a slice are 64 contiguous bytes
-        # the weight ring and, once the K loop is done, the warps' partial sums in the same bytes
-        buf = smem.allocate_tensor(Uint32, cute.make_layout(max(STAGES * WARPS * R * 16, WARPS * M * R)), 16)
+        # the weight ring, then the activation ring, and once the K loop is done the warps' partial sums
+        buf = smem.allocate_tensor(Uint32, cute.make_layout(max(STAGES * WARPS * (R + M) * 16, WARPS * M * R)), 16)
         sW = cute.make_tensor(buf.iterator, cute.make_layout((STAGES, WARPS, R, 16),
                                                              stride=(WARPS * R * 16, R * 16, 16, 1)))
+        sX = cute.make_tensor(buf.iterator + STAGES * WARPS * R * 16,
+                              cute.make_layout((STAGES, WARPS, M, 16), stride=(WARPS * M * 16, M * 16, 16, 1)))
         sRed = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=Float32),
                                 cute.make_layout((WARPS, M, R), stride=(M * R, R, 1)))
-        sX = smem.allocate_tensor(Uint32, cute.make_layout((STAGES, WARPS, M, 16),
-                                                           stride=(WARPS * M * 16, M * 16, 16, 1)), 16)
         rA = cute.make_rmem_tensor((8 * RT,), Uint32)  # per row tile: rows g, g + 8 (4 words each)
         rB = cute.make_rmem_tensor((4,), Uint32)
         acc = cute.make_rmem_tensor((4 * RT * NT,), Float32)
@@ -390,9 +391,9 @@ class Kernel:
                                           cute.local_tile(rA, (4,), (2 * rt + h,)))
                 for nt in cutlass.range_constexpr(NT):
                     cute.autovec_copy(cute.local_tile(sX[slot, warp, nt * 8 + g, None], (4,), (t,)), rB)
-                    for rt in cutlass.range_constexpr(RT):
-                        a = 4 * (rt * NT + nt)
-                        for i in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(2):  # no MMA waits for the one just issued
+                        for rt in cutlass.range_constexpr(RT):
+                            a = 4 * (rt * NT + nt)
                             c = mma_bf16_16816((rA[8 * rt + 2 * i], rA[8 * rt + 4 + 2 * i], rA[8 * rt + 2 * i + 1],
                                                 rA[8 * rt + 4 + 2 * i + 1]), (rB[2 * i], rB[2 * i + 1]),
                                                (acc[a], acc[a + 1], acc[a + 2], acc[a + 3]))

@@ -31,9 +31,8 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
         if c["MMA"]:  # about one CTA per SM, every CTA inside the shared-memory budget
             assert c["GRID"] == -(-c["N"] // (16 * c["RT"])), label
             assert c["GRID"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap forces more
-            # the fp32 partial sums reuse the weight ring's bytes after the K loop
-            smem = c["WARPS"] * (max(c["M"] * 16 * c["RT"] * 4, c["STAGES"] * 16 * c["RT"] * 64)
-                                 + c["STAGES"] * c["M"] * 64)
+            # the fp32 partial sums reuse the ring's bytes (weights and activations) after the K loop
+            smem = c["WARPS"] * max(c["M"] * 16 * c["RT"] * 4, c["STAGES"] * (16 * c["RT"] + c["M"]) * 64)
             assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= MAX_STAGES, label
     assert not T.point(**{**EXAMPLES["k3tp8_b64"], "mma": False}).c["MMA"]  # codegen --batch-invariant
     with pytest.raises(TemplateError, match="mma=True needs"):
@@ -49,8 +48,11 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
     for m in (8, 16, 32, 64):
         for n, k in shapes:
             warps, rt, stages, grid = mma_split(m, n, k)
-            smem = warps * (max(m * 16 * rt * 4, stages * 16 * rt * 64) + stages * m * 64)
+            smem = warps * max(m * 16 * rt * 4, stages * (16 * rt + m) * 64)
             assert smem <= SMEM_BUDGET and 2 <= stages <= MAX_STAGES and rt * m // 8 <= 32, (m, n, k, rt, stages)
+            # 8 warps (two per scheduler) unless the grid takes more than one wave: then 4, two CTAs per SM
+            assert warps == (8 if m <= 16 or grid <= SMS else 4), (m, n, k, warps, grid)
+            assert grid <= SMS or 2 * smem <= SMEM_BUDGET or stages == 2, (m, n, k, smem)
             assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
 
 
