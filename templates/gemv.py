@@ -53,8 +53,8 @@ def mma_smem(m: int, warps: int, rt: int, stages: int) -> int:
     return max(stages * warps * (16 * rt + m) * 64, warps * m * 16 * rt * 4)
 
 
-def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(warps, row tiles per CTA, ring stages, grid) of the tensor-core path at batch m, W [n, k].
+def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(warps, row tiles per CTA, ring stages, grid, split) of the tensor-core path at batch m, W [n, k].
 
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
     accumulators stay <= 128 registers). The warps split each K stage into 32-element slices: 8 warps (at batch 64
@@ -62,20 +62,30 @@ def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     measured 10-20 % faster alone than with 4), or 4 where the grid needs more than one wave (two CTAs per SM:
     the lm_head's 20480 rows at batch 32 and 64); the ring is as deep as the shared-memory budget allows
     (halved when the grid needs two CTAs per SM), at most MAX_STAGES and no more than K has (mma_smem: the
-    reduction reuses the ring's bytes); RT shrinks until two stages fit SMEM_BUDGET (the lm_head's 20480 rows)."""
+    reduction reuses the ring's bytes); RT shrinks until two stages fit SMEM_BUDGET (the lm_head's 20480 rows).
+
+    Every CTA reads all m activation rows of its K range from L2: m / (16 RT) times its weight bytes. Where that
+    exceeds 1 and twice the rows per CTA still fit the registers and a grid of pairs one wave (the K3 router +
+    latent front GEMV's 2096 rows at batch 32 and 64: 4 times the weights at 16 rows per CTA), SPLIT = 2 CTAs of
+    a cluster take half of K each for 2 RT row tiles, and their partial sums meet through distributed shared
+    memory: half the activation traffic for the same grid."""
     nt = m // 8
     rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
+    split = 1
+    kst8 = math.ceil(k / 256)  # K stages of 8 warps
+    if m > 16 * rt and 2 * rt * nt <= 32 and 2 * math.ceil(n / (32 * rt)) <= SMS and kst8 % 2 == 0:
+        rt, split = 2 * rt, 2
     grid = math.ceil(n / (16 * rt))
-    warps = 8 if m <= 16 or grid <= SMS else 4
+    warps = 8 if m <= 16 or grid * split <= SMS else 4
     while rt > 1 and mma_smem(m, warps, rt, 2) > SMEM_BUDGET:  # two stages must fit (large N: more waves instead)
         rt -= 1
     grid = math.ceil(n / (16 * rt))
-    kst = math.ceil(k / (32 * warps))
-    budget = SMEM_BUDGET // min(2, math.ceil(grid / SMS))
+    kst = math.ceil(k / (32 * warps)) // split
+    budget = SMEM_BUDGET // min(2, math.ceil(grid * split / SMS))
     stages = min(MAX_STAGES, kst)
     while stages > 2 and mma_smem(m, warps, rt, stages) > budget:
         stages -= 1
-    return warps, rt, max(2, stages), grid
+    return warps, rt, max(2, stages), grid, split
 
 
 class Gemv(Template):
@@ -132,9 +142,9 @@ class Gemv(Template):
         need(mma is not True or auto, f"gemv: mma=True needs bucket >= {MMA_MIN_BUCKET}, pro='none' and k % 128 == 0 "
                                       f"(got bucket {m}, pro={pro!r}, k={k})")
         use_mma = auto if mma is None else bool(mma)
-        rt, stages = 1, 1
+        rt, stages, split = 1, 1, 1
         if use_mma:
-            warps, rt, stages, grid = mma_split(m, n, k)
+            warps, rt, stages, grid, split = mma_split(m, n, k)
         return [const("M", m, "batch rows (the bucket)"), const("N", n, "rows of W (outputs per batch row)"),
                 const("K", k, "reduction length (a multiple of 8)"),
                 const("N_F32", n_f32, "the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output"),
@@ -151,6 +161,8 @@ class Gemv(Template):
                                       "cp.async ring of STAGES)"),
                 const("RT", rt, "tensor-core path: 16-row tiles of W per CTA"),
                 const("STAGES", stages, "tensor-core path: K stages (32 x WARPS elements each) in flight"),
+                const("SPLIT", split, "tensor-core path: CTAs of a cluster splitting K (partial sums meet in "
+                                      "distributed shared memory)"),
                 const("SEGMENTS", segments, "bf16 output as consecutive compact [M, w] blocks of these widths "
                                             "(() : one [M, n - n_f32] row-major output)"),
                 const("STAGE_X", stage_x, "the prologue forms xin once per CTA into shared memory (M x K bf16), "
@@ -197,6 +209,9 @@ class Gemv(Template):
                                    "segments": (128, 128, 192, 64)}
         ex["k3tp8_front_seg_b8"] = {"bucket": 8, "n": 6284, "k": k3.hidden_size, "n_f32": k3.num_experts,
                                     "segments": (1536, 1536, 1536, 780)}
+        # the router + latent front GEMV of the TP8 shard at batch 64: two CTAs of a cluster split K (SPLIT = 2)
+        ex["k3tp8_front_split_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,
+                                       "segments": (448, 768, 768)}
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex

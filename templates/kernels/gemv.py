@@ -41,8 +41,10 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Uint32
+from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from k3compile.templates.kernels.mxfp4_lib import mma_bf16_16816
 
@@ -64,6 +66,7 @@ GRID = 32  # CTAs (they stride over the tasks)
 MMA = False  # tensor cores (mma.sync; CTA = RT 16-row tiles, K split over the warps, cp.async ring of STAGES)
 RT = 1  # tensor-core path: 16-row tiles of W per CTA
 STAGES = 1  # tensor-core path: K stages (32 x WARPS elements each) in flight
+SPLIT = 1  # tensor-core path: CTAs of a cluster splitting K (partial sums meet in distributed shared memory)
 SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
 STAGE_X = True  # the prologue forms xin once per CTA into shared memory (M x K bf16), the main loop reads it there
 # <<< constants
@@ -84,6 +87,17 @@ NT = M // 8  # tensor-core path: MMA column tiles of 8 batch rows (M is a multip
 KB = 32 * WARPS  # tensor-core path: K elements per ring stage (a 32-element slice per warp)
 KST = (K + KB - 1) // KB  # tensor-core path: ring stages over K (the last may be partial: K % 128 == 0)
 CPR = KB // VEC  # tensor-core path: 16-byte chunks of one row in a stage
+KSP = KST // SPLIT  # tensor-core path: K stages of one CTA (its cluster rank's share of K)
+
+
+@dsl_user_op
+def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
+    """``ld.shared::cluster.f32``: the fp32 at shared address ``addr`` (this CTA's layout) of CTA ``rank`` of the
+    cluster (``mapa`` maps the address)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }", "=f,r,r",
+        has_side_effects=True, loc=loc, ip=ip))
 
 
 class Kernel:
@@ -127,7 +141,8 @@ class Kernel:
         # 64 registers for occupancy and spills).
         if cutlass.const_expr(MMA):
             self.kernel_mma(cute.recast_tensor(mW, Uint32), cute.recast_tensor(mX, Uint32), mYf, mYb).launch(
-                grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1)
+                grid=(SPLIT, GRID, 1), block=(THREADS, 1, 1), cluster=(SPLIT, 1, 1) if SPLIT > 1 else None,
+                stream=stream, use_pdl=True, min_blocks_per_mp=1)
         else:
             self.kernel(mW, mX, mAux, mYf, mYb).launch(grid=(GRID, 1, 1), block=(THREADS, 1, 1), stream=stream,
                                                         use_pdl=True, min_blocks_per_mp=1)
@@ -293,15 +308,7 @@ class Kernel:
                 for b in cutlass.range_constexpr(MB):
                     total = cute.arch.warp_reduction(rAcc[r * MB + b], operator.add)
                     if lane == 0:
-                        if cutlass.const_expr(not HAS_BF16):
-                            mYf[m0 + b, n] = total
-                        elif cutlass.const_expr(not HAS_F32):
-                            self.store_bf16(mYb, m0 + b, n, total)
-                        else:
-                            if n < N_F32:
-                                mYf[m0 + b, n] = total
-                            else:
-                                self.store_bf16(mYb, m0 + b, n - N_F32, total)
+                        self.store_out(mYf, mYb, m0 + b, n, total)
 
     @cute.jit
     def issue_stage(self, mWq: cute.Tensor, mXq: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, slot, kst, row0,
@@ -330,8 +337,9 @@ class Kernel:
     @cute.kernel
     def kernel_mma(self, mWq: cute.Tensor, mXq: cute.Tensor, mYf, mYb):
         """Tensor-core path (MMA): a CTA owns R = 16 RT rows of W (RT MMA row tiles, the MMA's M) for all M batch
-        rows (NT column tiles of 8, the MMA's N). K goes in stages of KB = 32 WARPS elements (CTA c from stage
-        c * KST / GRID on, wrapping around) through a
+        rows (NT column tiles of 8, the MMA's N); with SPLIT, the SPLIT CTAs of a cluster each take KSP = KST /
+        SPLIT of the K stages for the same rows. K goes in stages of KB = 32 WARPS elements (CTA c from stage
+        c * KSP / GRID of its share on, wrapping around) through a
         STAGES-deep cp.async ring in shared memory (weights and activations; every thread copies its share,
         one barrier per stage); warp w takes the stage's 32-element slice w, so each weight and activation
         element is read from shared memory once. In a slice, lane (g, t) reads elements 8t .. 8t+7 of rows g
@@ -345,11 +353,13 @@ class Kernel:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         tid = cute.arch.thread_idx()[0]
-        cta = cute.arch.block_idx()[0]
+        rank = cute.arch.block_idx()[0]  # this CTA's share of K: stages k0 .. k0 + KSP - 1 (0 and all without SPLIT)
+        cta = cute.arch.block_idx()[1]
         row0 = cta * R
+        k0 = rank * KSP
         # Every CTA reads the same activations: starting all of them at K stage 0 would have ~GRID SMs fetch the
-        # same few L2 lines at once. CTA c starts at stage c * KST / GRID instead and wraps around.
-        rot = (cta * KST) // GRID
+        # same few L2 lines at once. CTA c starts at stage c * KSP / GRID of its share instead and wraps around.
+        rot = (cta * KSP) // GRID
         g = lane // 4
         t = lane % 4
         smem = cutlass.utils.SmemAllocator()
@@ -368,23 +378,23 @@ class Kernel:
         acc.fill(0.0)
         # Weights are static: their first stages may stream in while the previous kernel still runs.
         for s in cutlass.range_constexpr(STAGES - 1):
-            if s < KST:
-                self.issue_stage(mWq, mXq, sW, sX, s, (s + rot) % KST, row0, tid, True, False)
+            if s < KSP:
+                self.issue_stage(mWq, mXq, sW, sX, s, k0 + (s + rot) % KSP, row0, tid, True, False)
         cute.arch.griddepcontrol_wait()  # the activations come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         for s in cutlass.range_constexpr(STAGES - 1):  # group s: stage s complete (with the weights above)
-            if s < KST:
-                self.issue_stage(mWq, mXq, sW, sX, s, (s + rot) % KST, row0, tid, False, True)
+            if s < KSP:
+                self.issue_stage(mWq, mXq, sW, sX, s, k0 + (s + rot) % KSP, row0, tid, False, True)
             cute.arch.cp_async_commit_group()
-        for s in cutlass.range(KST, unroll=1):
+        for s in cutlass.range(KSP, unroll=1):
             cute.arch.cp_async_wait_group(STAGES - 2)  # stage s has landed (this thread's copies) ...
             cute.arch.sync_threads()  # ... and every thread's; the slot of stage s - 1 is free again
             nxt = s + STAGES - 1
-            if nxt < KST:
-                self.issue_stage(mWq, mXq, sW, sX, nxt % STAGES, (nxt + rot) % KST, row0, tid, True, True)
+            if nxt < KSP:
+                self.issue_stage(mWq, mXq, sW, sX, nxt % STAGES, k0 + (nxt + rot) % KSP, row0, tid, True, True)
             cute.arch.cp_async_commit_group()
             slot = s % STAGES
-            if ((s + rot) % KST) * KB + 32 * warp < K:  # a partial last stage leaves its last warps without a slice
+            if (k0 + (s + rot) % KSP) * KB + 32 * warp < K:  # a partial last stage leaves its last warps without a slice
                 for rt in cutlass.range_constexpr(RT):
                     for h in cutlass.range_constexpr(2):
                         cute.autovec_copy(cute.local_tile(sW[slot, warp, rt * 16 + g + 8 * h, None], (4,), (t,)),
@@ -408,20 +418,51 @@ class Kernel:
                 for j in cutlass.range_constexpr(4):
                     sRed[warp, nt * 8 + 2 * t + j % 2, rt * 16 + g + 8 * (j // 2)] = acc[4 * (rt * NT + nt) + j]
         cute.arch.sync_threads()
-        for idx in cutlass.range(tid, M * R, THREADS, unroll=1):  # consecutive threads: consecutive rows n
-            m = idx // R
-            r = idx % R
-            n = row0 + r
-            if n < N:
+        if cutlass.const_expr(SPLIT == 1):
+            for idx in cutlass.range(tid, M * R, THREADS, unroll=1):  # consecutive threads: consecutive rows n
+                m = idx // R
+                r = idx % R
+                if row0 + r < N:
+                    total = Float32(0.0)
+                    for w in cutlass.range_constexpr(WARPS):
+                        total = total + sRed[w, m, r]
+                    self.store_out(mYf, mYb, m, row0 + r, total)
+        else:
+            # The CTA's sums over its warps go to sRed[0] (each entry read and written by one thread); after a
+            # cluster barrier (release / acquire) CTA q adds the SPLIT CTAs' entries of its share of the outputs
+            # in rank order (DSMEM loads) and writes them; a second barrier keeps every CTA's shared memory alive
+            # until the peers have read it.
+            for idx in cutlass.range(tid, M * R, THREADS, unroll=1):
+                m = idx // R
+                r = idx % R
                 total = Float32(0.0)
                 for w in cutlass.range_constexpr(WARPS):
                     total = total + sRed[w, m, r]
-                if cutlass.const_expr(not HAS_BF16):
-                    mYf[m, n] = total
-                elif cutlass.const_expr(not HAS_F32):
-                    self.store_bf16(mYb, m, n, total)
-                else:
-                    if n < N_F32:
-                        mYf[m, n] = total
-                    else:
-                        self.store_bf16(mYb, m, n - N_F32, total)
+                sRed[0, m, r] = total
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            base = sRed.iterator.toint()
+            for idx in cutlass.range(rank * (M * R // SPLIT) + tid, (rank + 1) * (M * R // SPLIT), THREADS,
+                                     unroll=1):
+                m = idx // R
+                r = idx % R
+                if row0 + r < N:
+                    total = ld_dsmem_f32(base + 4 * idx, 0)
+                    for q in cutlass.range_constexpr(1, SPLIT):
+                        total = total + ld_dsmem_f32(base + 4 * idx, q)
+                    self.store_out(mYf, mYb, m, row0 + r, total)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def store_out(self, mYf, mYb, m, n, total):
+        """Output n of batch row m: fp32 for n < N_F32, else bf16 (store_bf16)."""
+        if cutlass.const_expr(not HAS_BF16):
+            mYf[m, n] = total
+        elif cutlass.const_expr(not HAS_F32):
+            self.store_bf16(mYb, m, n, total)
+        else:
+            if n < N_F32:
+                mYf[m, n] = total
+            else:
+                self.store_bf16(mYb, m, n - N_F32, total)

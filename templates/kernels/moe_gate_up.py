@@ -20,8 +20,8 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
 2. Grouping by expert in shared memory (moe_lib.group_pairs): each expert's tokens as a bit mask (shared
    atomic OR), one block scan over E experts gives each active expert its start in a list of (token, slot)
    pairs, and the pairs land in token order (a popcount of the mask below the token). Each distinct expert is
-   then read and decoded once per step, however many tokens picked it. CTA 0 writes the grouping to
-   ``groups`` (moe_lib.store_groups) for moe_down_combine.
+   then read and decoded once per step, however many tokens picked it. Every CTA writes its share of the
+   grouping to ``groups`` (moe_lib.store_groups) for moe_down_combine.
 3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), task t on CTA t % CTAS in its task
    slot (t // CTAS) % SLOTS: a last round of fewer than CTAS * SLOTS tasks is spread over all CTAs (SMs)
    instead of filling the first CTAs' slots while the rest idle. A slot is KSPLIT warps (1; 2 or 4 while
@@ -279,8 +279,8 @@ class Kernel:
         cute.arch.sync_threads()
         n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
                                WARPS)
-        if bid == 0:  # the grouping for moe_down_combine (which then needs none of its own)
-            store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, MAXA, P, THREADS)
+        # the grouping for moe_down_combine (which then needs none of its own), a share from every CTA
+        store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, bid, MAXA, P, THREADS, CTAS)
 
         g = lane // 4  # MMA row (and row + 8) of this lane, and its token column
         t = lane % 4  # which block of a k-step this lane loads

@@ -30,7 +30,7 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
         assert c["MMA"] == (c["M"] >= 8 and c["PRO"] == "none" and c["K"] % 128 == 0), label
         if c["MMA"]:  # about one CTA per SM, every CTA inside the shared-memory budget
             assert c["GRID"] == -(-c["N"] // (16 * c["RT"])), label
-            assert c["GRID"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap forces more
+            assert c["GRID"] * c["SPLIT"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap
             # the fp32 partial sums reuse the ring's bytes (weights and activations) after the K loop
             smem = c["WARPS"] * max(c["M"] * 16 * c["RT"] * 4, c["STAGES"] * (16 * c["RT"] + c["M"]) * 64)
             assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= MAX_STAGES, label
@@ -47,13 +47,16 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
               (k3.vocab_size // 8, k3.hidden_size), (k3.vocab_size // 16, k3.hidden_size), (16, 256), (1024, 256)}
     for m in (8, 16, 32, 64):
         for n, k in shapes:
-            warps, rt, stages, grid = mma_split(m, n, k)
+            warps, rt, stages, grid, split = mma_split(m, n, k)
             smem = warps * max(m * 16 * rt * 4, stages * (16 * rt + m) * 64)
             assert smem <= SMEM_BUDGET and 2 <= stages <= MAX_STAGES and rt * m // 8 <= 32, (m, n, k, rt, stages)
             # 8 warps (two per scheduler) unless the grid takes more than one wave: then 4, two CTAs per SM
-            assert warps == (8 if m <= 16 or grid <= SMS else 4), (m, n, k, warps, grid)
-            assert grid <= SMS or 2 * smem <= SMEM_BUDGET or stages == 2, (m, n, k, smem)
+            assert warps == (8 if m <= 16 or grid * split <= SMS else 4), (m, n, k, warps, grid)
+            assert grid * split <= SMS or 2 * smem <= SMEM_BUDGET or stages == 2, (m, n, k, smem)
+            # a K split only where the activations (m rows for 16 rt weight rows) outweigh the weights per CTA
+            assert split == 1 or (split == 2 and m > 8 * rt and -(-k // 256) % 2 == 0), (m, n, k, rt, split)
             assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
+    assert mma_split(64, 2096, 7168)[3:] == (66, 2) and mma_split(8, 2096, 7168)[4] == 1
 
 
 def test_prologue_input_is_staged_in_shared_memory_when_it_fits():
@@ -191,26 +194,32 @@ def _simulate_mma(c, inputs):
     2t+9 <- 8t+4i+2, +3), rows g / g+8 of each row tile, batch row g of each column tile; the warps' partial
     sums are added in warp order. Each warp's K elements are gathered from the MMAs it runs, so every K element
     must land in exactly one MMA of one warp."""
-    M, N, K, NF, W = c["M"], c["N"], c["K"], c["N_F32"], c["WARPS"]
+    M, N, K, NF, W, SPLIT = c["M"], c["N"], c["K"], c["N_F32"], c["WARPS"], c["SPLIT"]
     R, kb = 16 * c["RT"], 32 * W
+    ksp = -(-K // kb) // SPLIT  # K stages of one CTA of a cluster (rank q: stages q * ksp ..)
+    assert ksp * SPLIT == -(-K // kb), "the ranks of a cluster share the K stages evenly"
     xin = T.xin(c, inputs).float()
     w = inputs["w"].float()
     y = torch.full((M, N), float("nan"))
     writes = torch.zeros(M, N, dtype=torch.int64)
     covered = torch.zeros(K, dtype=torch.int64)
-    warp_ks = []
-    for warp in range(W):
-        ks = [stage * kb + 32 * warp + 8 * t + 4 * i + e for stage in range(-(-K // kb)) if stage * kb + 32 * warp < K
-              for i in range(2) for t in range(4) for e in range(4)]  # one MMA: K = 16 = 4 lanes x (2 + 2)
-        warp_ks.append(torch.tensor(ks, dtype=torch.int64))
-        covered[warp_ks[-1]] += 1
-    assert bool((covered == 1).all()), "every K element in exactly one MMA of one warp"
+    rank_warp_ks = []
+    for q in range(SPLIT):
+        warp_ks = []
+        for warp in range(W):
+            ks = [stage * kb + 32 * warp + 8 * t + 4 * i + e for stage in range(q * ksp, (q + 1) * ksp)
+                  if stage * kb + 32 * warp < K
+                  for i in range(2) for t in range(4) for e in range(4)]  # one MMA: K = 16 = 4 lanes x (2 + 2)
+            warp_ks.append(torch.tensor(ks, dtype=torch.int64))
+            covered[warp_ks[-1]] += 1
+        rank_warp_ks.append(warp_ks)
+    assert bool((covered == 1).all()), "every K element in exactly one MMA of one warp of one rank"
     for cta in range(c["GRID"]):
         rows = torch.clamp(torch.arange(cta * R, cta * R + R), max=N - 1)
-        acc = torch.stack([w[rows][:, ks] @ xin[:, ks].T for ks in warp_ks])  # [W, R, M]
+        acc = torch.stack([w[rows][:, ks] @ xin[:, ks].T for warp_ks in rank_warp_ks for ks in warp_ks])
         n = torch.arange(cta * R, cta * R + R)
         keep = n < N
-        y[:, n[keep]] = acc.sum(0)[keep].T
+        y[:, n[keep]] = acc.sum(0)[keep].T  # [SPLIT * W, R, M]: the warps' partial sums, rank by rank
         writes[:, n[keep]] += 1
     return {"y_f32": y[:, :NF], "y_bf16": y[:, NF:].to(torch.bfloat16)}, writes
 
