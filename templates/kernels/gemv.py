@@ -394,7 +394,7 @@ class Kernel:
                 self.issue_stage(mWq, mXq, sW, sX, nxt % STAGES, k0 + (nxt + rot) % KSP, row0, tid, True, True)
             cute.arch.cp_async_commit_group()
             slot = s % STAGES
-            if (k0 + (s + rot) % KSP) * KB + 32 * warp < K:  # a partial last stage leaves its last warps without a slice
+            if (k0 + (s + rot) % KSP) * KB + 32 * warp < K:  # a partial last stage: its last warps have no slice
                 for rt in cutlass.range_constexpr(RT):
                     for h in cutlass.range_constexpr(2):
                         cute.autovec_copy(cute.local_tile(sW[slot, warp, rt * 16 + g + 8 * h, None], (4,), (t,)),
