@@ -73,7 +73,8 @@ def ref_groups(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     p, maxa = flat.numel(), min(n_experts, flat.numel())
     ar = torch.arange(p, device=ids.device)
     pairs = torch.sort(flat * p + ar).values % p  # by (expert, pair)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (no graph capture)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     first = torch.cumsum(counts, 0) - counts
     order = torch.sort((counts == 0).long() * n_experts + torch.arange(n_experts, device=ids.device)).values
     act = order[:maxa] % n_experts  # active experts first, ascending
