@@ -213,8 +213,8 @@ def store_groups(mGroups: cute.Tensor, sAct: cute.Tensor, sStart: cute.Tensor, s
                  THREADS: cutlass.Constexpr, PARTS: cutlass.Constexpr):
     """group_pairs' result into global memory for the next kernel (group_len entries: n_active; MAXA experts,
     starts, counts, zero past n_active; the P pairs), every entry written. The grouping is the same in every
-    CTA, so CTA ``part`` of PARTS writes only its contiguous share of the entries (at batch 64 one CTA writing
-    all 3,713 took about 4 us of the kernel's tail)."""
+    CTA, so CTA ``part`` of PARTS writes only its contiguous share of the entries (instead of CTA 0 writing all
+    3,713 at K3 batch 64; in the layer the difference was within the noise: 264.6 / 269.4 against 267.7 us)."""
     GL = 1 + 3 * MAXA + P
     CH = (GL + PARTS - 1) // PARTS
     for e in cutlass.range(part * CH + tid, cutlass.min((part + 1) * CH, GL), THREADS, unroll=1):
