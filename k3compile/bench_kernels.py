@@ -55,13 +55,16 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
                 sets = kc.input_sets(point, seed=7)
                 kargs = [kc.kernel_args(point, d) for d in sets]  # weights in the kernel's own layout, once
                 row["us"] = kc.graph_time_us([lambda k=k: fn(*k) for k in kargs])
-                base = [point.template.torch_baseline(point.c, d) for d in sets]
-                if all(b is not None for b in base):
-                    row["torch_us"] = kc.graph_time_us(base)
                 # the bytes these inputs make the kernel move (e.g. the MLA cache up to each row's length)
                 row["bytes"] = sum(point.template.bytes_of(point.c, d) for d in sets) / len(sets)
                 row["floor_us"] = row["bytes"] / bw * 1e6
                 row["pct_of_copy_bw"] = 100 * row["floor_us"] / row["us"]
+                try:  # a baseline that cannot be timed loses its column, not the kernel's figures
+                    base = [point.template.torch_baseline(point.c, d) for d in sets]
+                    if all(b is not None for b in base):
+                        row["torch_us"] = kc.graph_time_us(base)
+                except Exception as e:  # noqa: BLE001
+                    row["torch_error"] = f"{type(e).__name__}: {e}"
                 del sets, kargs
             except Exception as e:  # noqa: BLE001
                 row["timing_error"] = f"{type(e).__name__}: {e}"
@@ -105,4 +108,8 @@ def table(result: dict) -> str:
         lines.append(f"{(r['example'] or r['kernel'])[:34]:<34} {r['bytes'] / 1e6:>8.2f} {fl:>9} {us:>10} {pct:>10} "
                      f"{tu:>9} {'ok' if r['ok'] else 'FAIL':>6}")
     lines.append(f"{len(result['kernels']) - result['failed']} of {len(result['kernels'])} kernels correct")
+    for r in result["kernels"]:  # a '-' above says why here
+        for key, what in (("timing_error", "not timed"), ("torch_error", "torch baseline not timed")):
+            if key in r:
+                lines.append(f"{(r['example'] or r['kernel'])}: {what}: {r[key]}")
     return "\n".join(lines)

@@ -243,3 +243,21 @@ def test_bench_plot_refloor_takes_the_plans_bytes(tmp_path, capsys):
         assert r["x_floor"] == pytest.approx(900.0 / r["floor_us"])
     assert res["rows"][1]["floor_us"] > res["rows"][0]["floor_us"]  # 2048 cached rows read instead of 16
     assert "refloor" in res["floor_source"]
+
+
+def test_bench_kernels_table_keeps_the_floor_and_says_why_a_column_is_missing():
+    """A torch baseline that cannot be timed loses its own column, not the kernel's floor, and the table says
+    why under it (nothing is dropped silently)."""
+    from k3compile import bench_kernels
+
+    row = {"kernel": "moe_gate_up_0123456789", "example": "moe_gate_up:k3tp8_b8", "ok": True, "bytes": 176.07e6,
+           "us": 63.8, "floor_us": 41.8, "pct_of_copy_bw": 65.5,
+           "torch_error": "RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture"}
+    untimed = {"kernel": "gemv_0123456789", "example": "", "ok": True, "bytes": 1e6,
+               "timing_error": "RuntimeError: out of memory"}
+    text = bench_kernels.table({"device": "H200", "date": "today", "copy_bandwidth_Bps": 4.2e12,
+                                "kernels": [row, untimed], "failed": 0})
+    line = next(ln for ln in text.splitlines() if ln.startswith("moe_gate_up:k3tp8_b8 "))
+    assert line.split()[1:6] == ["176.07", "41.8", "63.8", "66%", "-"]
+    assert "moe_gate_up:k3tp8_b8: torch baseline not timed: RuntimeError: Cannot copy" in text
+    assert "gemv_0123456789: not timed: RuntimeError: out of memory" in text
