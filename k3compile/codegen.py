@@ -132,10 +132,12 @@ def _lower_situ_linear(node, b, tp):
             _gemv(b, n, k, beta=beta, linear_beta=linear_beta)], _PROLOGUE_NOTE
 
 
-def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps, tp=1):
-    """A residual_attn_res kernel; ``tp`` > 1: it all-reduces its added input ``a`` itself (one-shot)."""
-    return ("residual_attn_res", dict(bucket=b, d=d, nb=nb, add=add, has_prefix=has_prefix, out_norm=out_norm,
-                                      eps=eps, out_eps=out_eps, tp=tp))
+def _residual(b, d, nb, *, add, has_prefix, out_norm, eps, out_eps, tp=1, add_r=False):
+    """A residual_attn_res kernel; ``tp`` > 1: it all-reduces its added input ``a`` itself (one-shot);
+    ``add_r``: it adds an up-projection output ``r`` to that sum before the prefix."""
+    params = dict(bucket=b, d=d, nb=nb, add=add, has_prefix=has_prefix, out_norm=out_norm, eps=eps,
+                  out_eps=out_eps, tp=tp)
+    return ("residual_attn_res", {**params, "add_r": True} if add_r else params)
 
 
 def _nb(blocks) -> int:
@@ -173,36 +175,34 @@ def _lower_oproj_residual_norm(node, b, tp):
     return [_gemv(b, n, k), res], note
 
 
-def _ffn_out(node, b, tp):
-    """Kernels before the final residual when the FFN output is ``all_reduce(partial) +
-    up(rms_norm(all_reduce(latent_partial)))`` (none without a latent part): the up-projection and the add
-    kernel, which all-reduces ``partial`` itself; returns (kernels, TP of the final residual kernel)."""
+def _ffn_up(node, b):
+    """The up-projection GEMV (RMSNorm prologue) when the FFN output is ``up(rms_norm(all_reduce(latent_partial)))
+    + all_reduce(partial)``, else none: the residual kernel after it adds its output ``r`` (add_r) to the partial
+    it all-reduces itself."""
     if _arg(node, "latent_partial") is None:
-        return [], tp
-    up = _arg(node, "up_weight")
-    n, k = _shape(up)
-    r = _gemv(b, n, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")))
-    add = _residual(b, n, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6, tp=tp)  # r + sum
-    return [r, add], 1
+        return []
+    n, k = _shape(_arg(node, "up_weight"))
+    return [_gemv(b, n, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")))]
 
 
 def _lower_ffn_tail_norm(node, b, tp):
     blocks = _arg(node, "blocks")
-    pre, res_tp = _ffn_out(node, b, tp)
+    up = _ffn_up(node, b)
     res = _residual(b, _shape(blocks)[-1], _nb(blocks), add=True, has_prefix=True, out_norm=True,
-                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")), tp=res_tp)
+                    eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")), tp=tp, add_r=bool(up))
     note = _FUSED_AR + "; the latent all-reduce before the up-projection is NCCL" if tp > 1 else ""
-    if pre:
-        note = ("three kernels until the GEMV epilogue adds both partial sums itself: up-projection (RMSNorm "
-                "prologue), partial + up, prefix + sum with AttnRes + RMSNorm" + (f"; {note}" if note else ""))
-    return pre + [res], note
+    if up:
+        note = ("two kernels until the GEMV epilogue runs the row step itself: up-projection (RMSNorm prologue), "
+                "then up + partial + prefix with AttnRes + RMSNorm" + (f"; {note}" if note else ""))
+    return up + [res], note
 
 
 def _lower_ffn_tail(node, b, tp):
-    pre, res_tp = _ffn_out(node, b, tp)
+    up = _ffn_up(node, b)
     d = _shape(_arg(node, "prefix"))[-1]
-    res = _residual(b, d, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6, tp=res_tp)
-    return pre + [res], "the last layer's tail: new prefix only (the output AttnRes reads it)"
+    res = _residual(b, d, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6, tp=tp,
+                    add_r=bool(up))
+    return up + [res], "the last layer's tail: new prefix only (the output AttnRes reads it)"
 
 
 def _lower_routed_experts(node, b, tp):

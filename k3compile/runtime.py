@@ -399,38 +399,36 @@ class Binding:
 
     def _summed(self, k, x: torch.Tensor, group: str) -> dict:
         """Arguments that make residual kernel ``k`` add ``x`` summed over the TP ranks: the kernel's own
-        one-shot all-reduce when it has one (TP > 1, :mod:`k3compile.comm`), else ``x`` as it is (TP 1, or
-        an FFN sum that the add kernel before already all-reduced)."""
+        one-shot all-reduce when it has one (TP > 1, :mod:`k3compile.comm`), else ``x`` as it is (TP 1)."""
         if k.point.c["TP"] == 1:
             return {"a": x}
         return comm.wire(k.point, x, group, self.tp, oneshot_max_bytes=self.oneshot_max_bytes, count=_count)
 
-    def _residual(self, k, a, partial, prefix):
+    def _residual(self, k, a, partial, prefix, **extra):
         blocks = self._blocks(a) if k.point.c["NB"] else {}
         o = k(prefix=prefix, out_norm_weight=a.get("out_norm_weight"), **self._summed(k, partial, a["group"]),
-              **blocks)
+              **blocks, **extra)
         return o["y"], o["new_prefix"]
 
     def _oproj_residual_norm(self, a, g, res):
         return self._residual(res, a, _single(g(w=a["weight"], x=a["y"])), a["prefix"])
 
-    def _ffn_sum(self, a, kernels):
-        """What the final residual kernel adds to the prefix: the routed partial itself (that kernel
-        all-reduces it), or with a latent up-projection ``r + all_reduce(partial)`` from the add kernel
-        (which all-reduces the partial, so the final kernel takes its output as it is)."""
+    def _ffn_sum(self, a, up) -> dict:
+        """What the final residual kernel adds to the prefix: the partial, which that kernel all-reduces, and
+        with a latent up-projection its output ``r`` (kernels ``up``: the GEMV with its RMSNorm prologue, or the
+        rms_norm kernel and the GEMV), which the kernel adds to the summed partial first (add_r), as eager's
+        ``prefix + (r + all_reduce(partial))``."""
         if a["latent_partial"] is None:
-            return a["partial"]
-        *up, add = kernels  # up: the GEMV with its RMSNorm prologue, or the rms_norm kernel and the GEMV
+            return {}
         latent = _reduce(a["latent_partial"], a["group"], self.tp)
-        r = _single(self._normed_gemv(up, a["up_weight"], latent, a["latent_norm_weight"]))
-        return add(prefix=r, **self._summed(add, a["partial"], a["group"]))["new_prefix"]  # r + sum, as eager
+        return {"r": _single(self._normed_gemv(up, a["up_weight"], latent, a["latent_norm_weight"]))}
 
     def _ffn_tail_norm(self, a, *ks):
-        return self._residual(ks[-1], a, self._ffn_sum(a, ks[:-1]), a["prefix"])
+        return self._residual(ks[-1], a, a["partial"], a["prefix"], **self._ffn_sum(a, ks[:-1]))
 
     def _ffn_tail(self, a, *ks):
-        return ks[-1](prefix=a["prefix"], **self._summed(ks[-1], self._ffn_sum(a, ks[:-1]),
-                                                          a["group"]))["new_prefix"]
+        return ks[-1](prefix=a["prefix"], **self._ffn_sum(a, ks[:-1]),
+                      **self._summed(ks[-1], a["partial"], a["group"]))["new_prefix"]
 
     # -- experts and attention ---------------------------------------------------------------------
     def _routed_experts(self, a, *ks):

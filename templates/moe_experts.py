@@ -5,7 +5,7 @@ launches, three from batch ROUTE_MIN_BUCKET (kernels/moe_route.py, moe_gate_up.p
 ``k3compile.dialect._select``), runs the MXFP4 gate/up GEMVs of every (token, slot) and applies SiTU-GLU:
 ``h [M, TOPK, I]`` bf16, ``ids [M, TOPK]`` i32 and ``weights [M, TOPK]`` f32, and the (token, slot) pairs
 grouped by expert, ``groups`` i32 (ref_groups). Every one of its CTAs selects every token (it needs all the
-groups); from batch ROUTE_MIN_BUCKET that is M / WARPS selections one after another per warp, so ``moe_route``
+groups; at batch 1 only the selection rounds up to its own tasks' experts); from batch ROUTE_MIN_BUCKET that is M / WARPS selections one after another per warp, so ``moe_route``
 selects once (ids, weights) and ``moe_gate_up`` (ROUTED) reads the ids and returns h and groups.
 ``moe_down_combine`` runs the down GEMVs of the grouped pairs and sums them with the routing weights:
 ``y [M, L] = bf16(sum_j weights[m, j] * bf16(h[m, j] . deq(W2[ids[m, j]])^T))`` (ops.latent_moe_experts).
@@ -67,8 +67,14 @@ def group_len(c) -> int:
 
 def ref_groups(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """``groups`` as moe_lib.group_pairs + store_groups build them from ids [M, TOPK]: the active experts in
-    ascending id, each one's pairs (p = token * TOPK + slot) in ascending order. Sort-based, no host sync (the
-    torch baseline runs it inside a CUDA graph)."""
+    ascending id, each one's pairs (p = token * TOPK + slot) in ascending order. One token (moe_gate_up's SOLO):
+    its experts in slot order, slot a the one pair of expert a. Sort-based, no host sync (the torch baseline runs
+    it inside a CUDA graph)."""
+    if ids.shape[0] == 1:
+        k = ids.shape[1]
+        ar = torch.arange(k, device=ids.device)
+        return torch.cat([torch.full((1,), k, device=ids.device), ids.reshape(-1).long(), ar, torch.ones_like(ar),
+                          ar]).to(torch.int32)
     flat = ids.reshape(-1).long()
     p, maxa = flat.numel(), min(n_experts, flat.numel())
     ar = torch.arange(p, device=ids.device)

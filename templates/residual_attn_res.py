@@ -2,13 +2,16 @@
 (kernel: kernels/residual_attn_res.py; a thread-block cluster of ``cluster`` CTAs per row, see
 ``default_cluster``).
 
-Per token row: ``new_prefix = prefix + a`` (ADD), ``out = attn_res(new_prefix, blocks, norm_w, proj_w, eps)``
-(K3 §1.10, ``models.ops.attn_res``), ``y = rms_norm(out, out_norm_w, out_eps)`` (OUT_NORM). It serves
+Per token row: ``new_prefix = prefix + a`` (ADD; with ADD_R ``a = r + a`` first),
+``out = attn_res(new_prefix, blocks, norm_w, proj_w, eps)`` (K3 §1.10, ``models.ops.attn_res``),
+``y = rms_norm(out, out_norm_w, out_eps)`` (OUT_NORM). It serves
 
 * ``k3::attn_res`` (add=False, out_norm=False) and ``k3::attn_res_rms_norm`` (add=False, out_norm=True);
 * the epilogue of ``k3::oproj_residual_norm`` / ``k3::ffn_tail_norm`` / ``k3::ffn_tail`` when their GEMM output
   ``a`` comes from a separate kernel (add=True, out_norm=True; with TP=1 the all-reduce is the identity;
   ``has_prefix=False`` is the ``prefix is None`` case of oproj_residual_norm);
+* the FFN tail with a latent up-projection (add_r=True): its GEMV output ``r`` plus the all-reduced partial,
+  then the prefix add and the rest, in one kernel (eager: ``prefix + (r + all_reduce(partial))``);
 * ``k3::add_rms_norm`` as nb=0, add=True, out_norm=True: AttnRes over the prefix alone returns it exactly
   (softmax of one source is 1), so ``y = rms_norm(prefix + a)`` and ``new_prefix = prefix + a``.
 
@@ -57,7 +60,7 @@ class ResidualAttnRes(Template):
            "statistics exchanged through DSMEM), 128-bit loads")
 
     def constants(self, *, bucket: int, d: int, nb: int, add: bool = True, has_prefix: bool = True,
-                  out_norm: bool = True, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1,
+                  out_norm: bool = True, add_r: bool = False, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1,
                   cluster: int | None = None) -> list:
         need(bucket in BUCKETS, f"residual_attn_res: bucket {bucket} is not one of {BUCKETS}; pad the batch to "
                                 f"the next bucket")
@@ -70,6 +73,7 @@ class ResidualAttnRes(Template):
         need(add or has_prefix, "residual_attn_res: add=False and has_prefix=False leaves no input row; pass "
                                 "has_prefix=True (attn_res reads a prefix) or add=True")
         need(tp in TPS, f"residual_attn_res: tp={tp} is not one of {TPS}")
+        need(add or not add_r, "residual_attn_res: add_r=True adds r to the added input a; pass add=True")
         need(tp == 1 or add, "residual_attn_res: tp > 1 all-reduces the added input a; pass add=True")
         need(eps > 0 and out_eps > 0, f"residual_attn_res: eps={eps} and out_eps={out_eps} must be > 0 "
                                       f"(take them from the model config)")
@@ -86,6 +90,8 @@ class ResidualAttnRes(Template):
                 const("D", d, "row length (hidden size)"),
                 const("NB", nb, "sealed blocks read by AttnRes (0: out = prefix)"),
                 const("ADD", bool(add), "new_prefix = prefix + a (written out)"),
+                const("ADD_R", bool(add_r), "a = r + a first (the FFN up-projection output r added to the "
+                                            "all-reduced partial)"),
                 const("HAS_PREFIX", bool(has_prefix), "a prefix is read (else new_prefix = a)"),
                 const("OUT_NORM", bool(out_norm), "y = RMSNorm(out) (else y = out)"),
                 const("EPS", float(eps), "AttnRes key-norm epsilon"),
@@ -114,6 +120,12 @@ class ResidualAttnRes(Template):
         ex["mid_cl4_tp2_b2"] = {"bucket": 2, "d": 1024, "nb": 2, "tp": 2, "cluster": 4}
         ex["k3tp8_tp2_b1"] = {"bucket": 1, "d": 7168, "nb": 4, "tp": 2}  # TP 2 at K3 width: 7 CTAs per row
         ex["k3tp8_tp2_b64"] = {"bucket": 64, "d": 7168, "nb": 2, "tp": 2}  # ... and 2
+        # the latent-MoE FFN tail: up-projection output + (all-reduced) partial + prefix, AttnRes, RMSNorm
+        ex["mini_addr_b2"] = {"bucket": 2, "d": 256, "nb": 2, "add_r": True}
+        ex["mini_addr_tail_tp2_b4"] = {"bucket": 4, "d": 256, "nb": 0, "out_norm": False, "add_r": True, "tp": 2}
+        ex["k3tp8_addr_b1"] = {"bucket": 1, "d": 7168, "nb": 4, "add_r": True}
+        ex["k3tp8_addr_b64"] = {"bucket": 64, "d": 7168, "nb": 4, "add_r": True}
+        ex["k3tp8_tp8_addr_b8"] = {"bucket": 8, "d": 7168, "nb": 4, "add_r": True, "tp": 8}
         return ex
 
     def args(self, c):
@@ -121,6 +133,8 @@ class ResidualAttnRes(Template):
         out = []
         if c["ADD"]:
             out.append(Arg("a", "bf16", (m, d), "act"))
+        if c["ADD_R"]:
+            out.append(Arg("r", "bf16", (m, d), "act"))
         if c["HAS_PREFIX"]:
             out.append(Arg("prefix", "bf16", (m, d), "act"))
         if nb > 0:
@@ -139,6 +153,8 @@ class ResidualAttnRes(Template):
         x = comm_inputs(c["TP"], m, d, gen)
         if c["ADD"]:
             x["a"] = (0.5 * torch.randn(m, d, generator=gen)).to(bf)
+        if c["ADD_R"]:
+            x["r"] = (0.5 * torch.randn(m, d, generator=gen)).to(bf)
         if c["HAS_PREFIX"]:
             x["prefix"] = torch.randn(m, d, generator=gen).to(bf)
         if nb > 0:
@@ -159,7 +175,8 @@ class ResidualAttnRes(Template):
         def run():
             p = d["prefix"] if c["HAS_PREFIX"] else None
             if c["ADD"]:
-                p = d["a"] if p is None else p + d["a"]
+                a = d["r"] + d["a"] if c["ADD_R"] else d["a"]
+                p = a if p is None else p + a
                 d["new_prefix"].copy_(p)
             blocks = stacked_blocks(c, d) if c["NB"] else None
             out = ops.attn_res(p, blocks, d["norm_weight"], d["proj_weight"], c["EPS"]) if c["NB"] else p
@@ -177,6 +194,8 @@ class ResidualAttnRes(Template):
             if c["TP"] > 1:
                 res.update(comm_reference(c["TP"], inputs))
                 a = bf16(sum(inputs[f"peer{p}"].double() for p in range(c["TP"])))
+            if c["ADD_R"]:
+                a = bf16(inputs["r"].double() + a)
             new_prefix = bf16(inputs["prefix"].double() + a) if c["HAS_PREFIX"] else a
         else:
             new_prefix = inputs["prefix"].double()
@@ -200,6 +219,7 @@ class ResidualAttnRes(Template):
     def flops(self, c):
         m, d, nb = c["M"], c["D"], c["NB"]
         f = m * d if c["ADD"] and c["HAS_PREFIX"] else 0
+        f += m * d if c["ADD_R"] else 0
         if nb > 0:
             f += m * d * (nb + 1) * 6  # squares + dots (4) and the weighted mix (2)
         if c["OUT_NORM"]:

@@ -9,7 +9,7 @@ descending (ties: lower expert id); weights = scores[ids] (/ (sum + 1e-20) if RE
 
 Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
 
-1. Routing (every CTA, the same result; CTA 0 alone writes ids/weights). Warp w selects tokens w, w+WARPS,
+1. Routing (every CTA, the same result; CTA WRITER alone writes ids/weights). Warp w selects tokens w, w+WARPS,
    ... with moe_lib.select_topk: each lane holds EPL keys (sigmoid(logit) + bias as order-preserving u32;
    the bias, a weight, is loaded before the PDL wait, and the warp's next token's logits while it selects
    the current one), each of TOPK rounds is two ``redux.sync``. The keys' sigmoid uses an approximate
@@ -17,11 +17,16 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    IEEE division, as the reference; the weights' sum runs in round order by shuffles.
    With ROUTED (from batch 16, where each warp would select M / WARPS tokens one after another in every CTA)
    moe_route has selected every token once, and this phase only reads its ids.
+   SOLO (batch 1): active expert a is round a's winner (not the a-th lowest id), so a CTA runs only the rounds
+   up to its last task's expert and starts streaming weights while the CTAs of later experts still select
+   (at K3 TP8 shapes the 16 rounds held every CTA's weight loads back for about a third of the kernel);
+   CTA WRITER, which has a task on the last expert, runs every round and writes ids, weights and groups.
 2. Grouping by expert in shared memory (moe_lib.group_pairs): each expert's tokens as a bit mask (shared
    atomic OR), one block scan over E experts gives each active expert its start in a list of (token, slot)
    pairs, and the pairs land in token order (a popcount of the mask below the token). Each distinct expert is
    then read and decoded once per step, however many tokens picked it. Every CTA writes its share of the
-   grouping to ``groups`` (moe_lib.store_groups) for moe_down_combine.
+   grouping to ``groups`` (moe_lib.store_groups) for moe_down_combine. SOLO needs no grouping: expert a has
+   one pair, slot a.
 3. Tasks (active expert, tile of 16 rows of W1 and the same 16 of W3), task t on CTA t % CTAS in its task
    slot (t // CTAS) % SLOTS: a last round of fewer than CTAS * SLOTS tasks is spread over all CTAs (SMs)
    instead of filling the first CTAs' slots while the rest idle. A slot is KSPLIT warps (1; 2 or 4 while
@@ -81,6 +86,8 @@ SLOTS = WARPS // KSPLIT  # tasks a CTA works on at once
 RT = I // 16  # row tiles of 16
 P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
+SOLO = M == 1 and not ROUTED  # one token: its experts in selection order, each CTA selects only what it needs
+WRITER = (TOPK * RT - 1) % CTAS if SOLO else 0  # the CTA that writes ids, weights and groups (it selects all)
 THREADS = 32 * WARPS
 EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
@@ -135,10 +142,11 @@ class Kernel:
 
     @cute.jit
     def select(self, rLog: cute.Tensor, rBias: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
-               mWts: cute.Tensor, sIds: cute.Tensor, lane, m, writer):
+               mWts: cute.Tensor, sIds: cute.Tensor, lane, m, writer, rounds):
         """One warp: token m's experts (its logits in rLog) into sIds[m*TOPK + j] (lane j keeps round j's winner,
-        so TOPK lanes store at once); the writer CTA also stores ids and routing weights."""
-        my_id = select_topk(rLog, rBias, lane, E, TOPK)
+        so TOPK lanes store at once; past ``rounds`` rounds, 0); the writer CTA (all rounds) also stores ids and
+        routing weights."""
+        my_id = select_topk(rLog, rBias, lane, E, TOPK, rounds)
         if lane < TOPK:
             sIds[m * TOPK + lane] = my_id
         if writer:
@@ -269,18 +277,34 @@ class Kernel:
             # each warp's next token's logits are loaded while it selects the current one
             rLog = cute.make_rmem_tensor((EPL,), Float32)
             self.load_logits(mLogits, rLog, lane, warp)
+            rounds = None  # every round (TOPK)
+            if cutlass.const_expr(SOLO):  # this CTA's last task (the largest index t = bid mod CTAS) is on the
+                rounds = Int32(0)  # expert of round t // RT: the rounds after it are not waited for
+                if bid < TOPK * RT:
+                    rounds = (bid + CTAS * ((TOPK * RT - 1 - bid) // CTAS)) // RT + 1
             for m in cutlass.range(warp, M, WARPS, unroll=1):
                 rCur = cute.make_rmem_tensor((EPL,), Float32)
                 rCur.store(rLog.load())
                 self.load_logits(mLogits, rLog, lane, m + WARPS)
-                self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == 0)
+                self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == WRITER, rounds)
         if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
-                               WARPS)
-        # the grouping for moe_down_combine (which then needs none of its own), a share from every CTA
-        store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, bid, MAXA, P, THREADS, CTAS)
+        if cutlass.const_expr(SOLO):  # one token: expert a is round a's winner, its one pair is slot a
+            n_active = Int32(TOPK)
+            if tid < TOPK:
+                sAct[tid] = sIds[tid]
+                sStart[tid] = tid
+                sNum[tid] = 1
+                sPairs[tid] = tid
+            cute.arch.sync_threads()
+            if bid == WRITER:  # the grouping for moe_down_combine, from the CTA that selected every round
+                store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, 0, MAXA, P, THREADS, 1)
+        else:
+            n_active = group_pairs(sIds, sMask, sOff, sPairs, sAct, sStart, sNum, sTot, tid, lane, warp, E, M, TOPK,
+                                   WARPS)
+            # the grouping for moe_down_combine (which then needs none of its own), a share from every CTA
+            store_groups(mGroups, sAct, sStart, sNum, sPairs, n_active, tid, bid, MAXA, P, THREADS, CTAS)
 
         g = lane // 4  # MMA row (and row + 8) of this lane, and its token column
         t = lane % 4  # which block of a k-step this lane loads

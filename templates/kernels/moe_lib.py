@@ -45,9 +45,12 @@ def _lane_best(rKey, tk, ti, EPL: int):
 
 
 @cute.jit
-def select_topk(rLog: cute.Tensor, rBias: cute.Tensor, lane, E: cutlass.Constexpr, TOPK: cutlass.Constexpr):
+def select_topk(rLog: cute.Tensor, rBias: cute.Tensor, lane, E: cutlass.Constexpr, TOPK: cutlass.Constexpr,
+                rounds=None):
     """One warp: the top-TOPK experts of sigmoid(logits) + bias for one token (its logits and the bias in rLog /
-    rBias, entry i of lane l for expert l + 32 i); returns round j's winner in lane j (j < TOPK). Only keys stay
+    rBias, entry i of lane l for expert l + 32 i); returns round j's winner in lane j (j < TOPK). ``rounds``
+    (runtime, at most TOPK; None: TOPK) stops after that many rounds: the caller needs only the first winners
+    (lanes past them return 0). Only keys stay
     in registers: each lane keeps its two best (a tree of selects carrying key and index); a round is two
     ``redux.sync`` over the lanes' best (max key, then min id among the lanes holding it: lower id wins ties),
     and only the winning lane moves on, to its second best or, on its third win, to a new tree over its keys
@@ -65,7 +68,7 @@ def select_topk(rLog: cute.Tensor, rBias: cute.Tensor, lane, E: cutlass.Constexp
     k2, i2 = _lane_best(rKey, k1, i1, epl)
     have2 = Int32(1)
     my_id = Int32(0)
-    for j in cutlass.range(TOPK, unroll=1):
+    for j in cutlass.range(TOPK if rounds is None else rounds, unroll=1):
         kmax = cute.arch.warp_redux_sync(k1, "umax")
         cand = Uint32(0xFFFFFFFF)
         if k1 == kmax:

@@ -4,7 +4,8 @@ Per row m, in this order (each step a compile-time option):
 
 1. ``new_prefix = prefix + a`` (ADD; ``a`` is a GEMM output / all-reduced partial). Rounded to bf16 as
    torch rounds ``bf16 + bf16`` and written out. Without HAS_PREFIX, ``new_prefix = a``; without ADD
-   there is no ``a`` and the prefix is read as is.
+   there is no ``a`` and the prefix is read as is. ADD_R first adds the FFN's up-projection output:
+   ``a = bf16(r + a)`` (after the all-reduce of ``a``, as the eager ``r + all_reduce(partial)``).
 2. The AttnRes read (K3 §1.10) over the NB + 1 sources ``[blocks[m, 0..NB-1], new_prefix[m]]``:
    ``logit_s = rsqrt(mean(v_s^2) + EPS) * <v_s, norm_w * proj_w>`` (the key normalisation is a per-source
    scalar, so it factors out of the dot product), ``alpha = softmax(logit)``,
@@ -69,6 +70,7 @@ M = 2  # rows (the batch bucket)
 D = 256  # row length (hidden size)
 NB = 2  # sealed blocks read by AttnRes (0: out = prefix)
 ADD = True  # new_prefix = prefix + a (written out)
+ADD_R = False  # a = r + a first (the FFN up-projection output r added to the all-reduced partial)
 HAS_PREFIX = True  # a prefix is read (else new_prefix = a)
 OUT_NORM = True  # y = RMSNorm(out) (else y = out)
 EPS = 1e-05  # AttnRes key-norm epsilon
@@ -89,7 +91,8 @@ MAX_NB = 16
 UPFRONT = TP > 1 and NB * STEPS <= 8  # blocks loaded before the flag exchange (else in pass 1; 4 registers each)
 EXCHANGE = CL > 1 and (NB > 0 or OUT_NORM or TP > 1)  # the cluster's CTAs exchange row statistics / flags
 # Kernel arguments in call order (the template's args(), then the stream).
-ARG_NAMES = ((["a"] if ADD else []) + (["prefix"] if HAS_PREFIX else []) + [f"block{b}" for b in range(NB)]
+ARG_NAMES = ((["a"] if ADD else []) + (["r"] if ADD_R else []) + (["prefix"] if HAS_PREFIX else [])
+             + [f"block{b}" for b in range(NB)]
              + (["norm_weight", "proj_weight"] if NB > 0 else []) + (["out_norm_weight"] if OUT_NORM else [])
              + ["y"] + (["new_prefix"] if ADD else [])
              + (["comm", "signal"] + [f"peer{p}" for p in range(TP)] + [f"peer_signal{p}" for p in range(TP)]
@@ -224,13 +227,13 @@ class Kernel:
         blocks = [t.get(f"block{b}") for b in range(MAX_NB)]
         peers = [t.get(f"peer{p}") for p in range(MAX_TP)]
         peer_signals = [t.get(f"peer_signal{p}") for p in range(MAX_TP)]
-        self.kernel(t.get("a"), t.get("prefix"), *blocks, t.get("norm_weight"), t.get("proj_weight"),
+        self.kernel(t.get("a"), t.get("r"), t.get("prefix"), *blocks, t.get("norm_weight"), t.get("proj_weight"),
                     t.get("out_norm_weight"), t["y"], t.get("new_prefix"), t.get("comm"), t.get("signal"), *peers,
                     *peer_signals).launch(grid=(CL, M, 1), block=(THREADS, 1, 1),
                                           cluster=(CL, 1, 1) if CL > 1 else None, stream=args[-1], use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mA, mPrefix, mB0, mB1, mB2, mB3, mB4, mB5, mB6, mB7, mB8, mB9, mB10, mB11, mB12, mB13, mB14,
+    def kernel(self, mA, mR, mPrefix, mB0, mB1, mB2, mB3, mB4, mB5, mB6, mB7, mB8, mB9, mB10, mB11, mB12, mB13, mB14,
                mB15, mNormW, mProjW, mOutW, mY: cute.Tensor, mNewPrefix, mComm, mSignal,
                mP0, mP1, mP2, mP3, mP4, mP5, mP6, mP7, mP8, mP9, mP10, mP11, mP12, mP13, mP14, mP15,
                mS0, mS1, mS2, mS3, mS4, mS5, mS6, mS7, mS8, mS9, mS10, mS11, mS12, mS13, mS14, mS15):
@@ -264,13 +267,16 @@ class Kernel:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
-        # The row's loads before any store: a, the prefix (and the blocks if UPFRONT), all steps.
-        rA, rP, rB = [], [], []
+        # The row's loads before any store: a, r, the prefix (and the blocks if UPFRONT), all steps.
+        rA, rR, rP, rB = [], [], [], []
         for s in cutlass.range_constexpr(STEPS):
             i = col0 + s * THREADS
             if cutlass.const_expr(ADD):
                 rA.append(cute.make_rmem_tensor((VEC,), BFloat16))
                 cute.autovec_copy(cute.local_tile(mA[row, None], (VEC,), (i,)), rA[s])
+            if cutlass.const_expr(ADD_R):
+                rR.append(cute.make_rmem_tensor((VEC,), BFloat16))
+                cute.autovec_copy(cute.local_tile(mR[row, None], (VEC,), (i,)), rR[s])
             if cutlass.const_expr(HAS_PREFIX):
                 rP.append(cute.make_rmem_tensor((VEC,), BFloat16))
                 cute.autovec_copy(cute.local_tile(mPrefix[row, None], (VEC,), (i,)), rP[s])
@@ -310,6 +316,9 @@ class Kernel:
                     cute.autovec_copy(cute.local_tile(peers[p][row, None], (VEC,), (i,)), rIn)
                     acc = acc + rIn.load().to(Float32)
                 rA[s].store(acc.to(BFloat16))
+        if cutlass.const_expr(ADD_R):  # the FFN output: up-projection + the (all-reduced) partial, rounded as bf16
+            for s in cutlass.range_constexpr(STEPS):
+                rA[s].store((rR[s].load().to(Float32) + rA[s].load().to(Float32)).to(BFloat16))
 
         # Pass 1: new prefix (kept in registers) and the per-source statistics of this CTA's slice.
         rStat = cute.make_rmem_tensor((NSTAT,), Float32)

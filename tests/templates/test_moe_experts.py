@@ -216,7 +216,9 @@ def test_groups_reference_is_the_kernels_deterministic_grouping():
     # n_active 4; experts 0 1 2 3; starts 0 1 3 4; counts 1 2 1 2; pairs by (expert, pair); past n_active: 0
     assert ref_groups(ids, 5).tolist() == [4, 0, 1, 2, 3, 0, 0, 1, 3, 4, 0, 1, 2, 1, 2, 0, 3, 1, 2, 5, 0, 4]
     assert ref_groups(ids, 5).dtype == torch.int32
-    for label in ("mini_b8", "k3tp8_b8", "k3tp8_b64"):
+    # one token (moe_gate_up's SOLO path): the experts in slot (selection) order, slot a the pair of expert a
+    assert ref_groups(torch.tensor([[5, 2, 9]]), 16).tolist() == [3, 5, 2, 9, 0, 1, 2, 1, 1, 1, 0, 1, 2]
+    for label in ("mini_b1", "k3tp8_b1", "mini_b8", "k3tp8_b8", "k3tp8_b64"):
         c = DC.point(**DC.examples()[label]).c
         logits = torch.randn(c["M"], c["E"], generator=torch.Generator().manual_seed(5))
         ids = logits.topk(c["TOPK"], -1).indices

@@ -28,6 +28,9 @@ def test_examples_cover_the_variants():
     for cfg in ("mini", "k3tp8"):
         for b in (1, 8, 64):
             assert f"{cfg}_b{b}" in EXAMPLES
+    # the latent-MoE FFN tail (r + partial), with and without the all-reduce, AttnRes and the output norm
+    assert {(c["TP"] > 1, c["NB"] > 0, c["OUT_NORM"]) for c in pts if c["ADD_R"]} >= {
+        (False, True, True), (True, True, True), (True, False, False)}
     # clusters of every size the K3 buckets take, with and without the all-reduce and the AttnRes statistics
     assert {(c["CL"], c["TP"] > 1, c["NB"] > 0) for c in pts} >= {(7, False, True), (7, True, True), (4, True, True),
                                                                   (2, False, False), (2, True, False), (1, False, True)}
@@ -65,6 +68,7 @@ def test_render_differs_per_point():
     ({"nb": 17}, "nb=17"),
     ({"nb": -1}, "nb=-1"),
     ({"add": False, "has_prefix": False}, "no input"),
+    ({"add": False, "add_r": True}, "add_r=True"),
     ({"eps": 0.0}, "eps"),
     ({"cluster": 9}, "cluster=9"),
     ({"cluster": 3}, "cluster=3"),  # 256 columns do not split into 3 multiples of 256
@@ -82,6 +86,7 @@ def test_args_per_variant():
     assert names() == ["a", "prefix", *blocks, "norm_weight", "proj_weight", "out_norm_weight", "y", "new_prefix"]
     assert names(add=False, out_norm=False) == ["prefix", *blocks, "norm_weight", "proj_weight", "y"]
     assert names(nb=0) == ["a", "prefix", "out_norm_weight", "y", "new_prefix"]
+    assert names(nb=0, add_r=True) == ["a", "r", "prefix", "out_norm_weight", "y", "new_prefix"]
     assert names(has_prefix=False) == ["a", *blocks, "norm_weight", "proj_weight", "out_norm_weight", "y",
                                        "new_prefix"]
     args = {a.name: a for a in T.point(**EXAMPLES["k3tp8_b8"]).args()}
@@ -95,6 +100,8 @@ def _eager(c: dict, x: dict) -> dict:
     m, d = c["M"], c["D"]
     if c["TP"] > 1:  # what the all-reduce hands the op: the ranks' rows summed, in bf16
         x = {**x, "a": sum(x[f"peer{p}"].double() for p in range(c["TP"])).to(torch.bfloat16)}
+    if c["ADD_R"]:  # the FFN output the op adds to the prefix: r + all_reduce(partial), in bf16
+        x = {**x, "a": x["r"] + x["a"]}
     blocks = stacked_blocks(c, x) if c["NB"] else torch.empty(m, 0, d, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(7)  # nb == 0: AttnRes weights are not arguments; any values do
     nw = x.get("norm_weight", (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16))
