@@ -110,6 +110,8 @@ def _is_global_access(op: str) -> tuple[bool, int]:
     if head == "st":
         return (not any(s in parts for s in _NON_GLOBAL)), 0
     if head == "cp" and len(parts) > 1 and parts[1] == "async":
+        if "prefetch" in parts:
+            return True, 0  # cp.async.bulk.prefetch(.tensor).L2.global [src], size: no destination
         return True, 1  # cp.async(.bulk...) dst, [src]: the source is global
     if head == "prefetch" or head == "prefetchu":
         return not any(s in parts for s in ("local", "shared")), 0

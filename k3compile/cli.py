@@ -79,7 +79,8 @@ def cmd_codegen(args) -> int:
             check_tp(tp)
             cfg.check_tp(tp)
         cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch,
-                         max_context=args.max_context, batch_invariant=args.batch_invariant)
+                         max_context=args.max_context, batch_invariant=args.batch_invariant,
+                         l2_prefetch=args.l2_prefetch << 20)
     manifest = write(cg, Path(args.out), compile=not args.no_compile, package=args.package, workers=args.jobs)
     print(summary(manifest))
     print(f"wrote {args.out}/manifest.json and {len(manifest['kernels'])} kernel sources"
@@ -174,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of a plan: every template's example points (k3-mini and real K3 TP8-shard "
                          "shapes), optionally only labels starting with PREFIXES (e.g. mini_,k3tp8_b1)")
     cg.add_argument("--templates", help="with --examples: only these templates (comma-separated)")
+    cg.add_argument("--l2-prefetch", type=int, default=24, metavar="MIB",
+                    help="weights a GEMV may pull into L2 while the kernel before it runs, at most (MiB; 0: only "
+                         "its first vectors); with the default, what fits beside the previous kernel's bytes in 40 "
+                         "of the H200's 60 MB L2")
     cg.set_defaults(func=cmd_codegen)
     bk = sub.add_parser("bench-kernels", help="check and time every kernel of a package on the GPU",
                         description="For every kernel of a prebuilt package (codegen --package, e.g. --examples): "

@@ -66,6 +66,8 @@ def _arg(node, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
+L2_WINDOW = 40 << 20  # of the H200's 60 MB L2: what a prefetch and the kernel running meanwhile may fill together
+PREFETCH_MAX = 24 << 20  # bytes of weights a GEMV pulls into L2 before its PDL wait, at most
 _PROLOGUE_NOTE = "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel"
 
 
@@ -263,8 +265,14 @@ def _split_prologues(specs: list, *, rms_norm: bool) -> tuple[list, bool]:
     return out, split
 
 
-def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> tuple[list, str]:
+def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False, prev: int | None = None,
+               arch: str = "sm_90a", l2_prefetch: int | None = None) -> tuple[list, str]:
     """(template, params) specs and a note for one dialect node at one (bucket, TP).
+
+    ``prev``: the bytes the kernel launched just before this node's first one moves (None: not known), which
+    sets how much of its weights a GEMV pulls into L2 before its PDL wait (``_gemv_prefetch``, at most
+    ``l2_prefetch`` bytes, default PREFETCH_MAX). Codegen and the runtime both walk the lowered graph in
+    order and pass it (``last_bytes`` of the node before), so that they name the same kernels.
 
     From bucket PROLOGUE_SPLIT_BUCKET a GEMV's RMSNorm or SiTU-GLU prologue runs as its own kernel before a
     plain GEMV (_split_prologues, _lower_situ_linear). ``batch_invariant``: every bucket reduces each row in the
@@ -281,7 +289,24 @@ def lower_node(node, bucket: int, tp: int, *, batch_invariant: bool = False) -> 
         note = "; ".join(x for x in (note, _PROLOGUE_NOTE) if x)
     if batch_invariant:
         specs = batch_invariant_specs(specs)
-    return specs, note
+    most = PREFETCH_MAX if l2_prefetch is None else l2_prefetch
+    out = []
+    for t, params in specs:  # each kernel after the one before it, the first after ``prev``
+        if t == "gemv":
+            params = _gemv_prefetch(params, prev, arch, most)
+        out.append((t, params))
+        prev = _bytes(t, params, arch)
+    return out, note
+
+
+def _bytes(template: str, params: dict, arch: str) -> int:
+    p = get_template(template).point(arch=arch, **params)
+    return int(p.template.bytes(p.c))
+
+
+def last_bytes(points: list) -> int | None:
+    """What the last of a node's kernels (template points, launch order) moves: ``prev`` of the next node."""
+    return int(points[-1].template.bytes(points[-1].c)) if points else None
 
 
 def batch_invariant_specs(specs: list) -> list:
@@ -333,6 +358,7 @@ class Codegen:
     examples: dict[str, str] = field(default_factory=dict)  # kernel name -> "<template>:<label>" (examples mode)
     max_context: int = 0  # MLA cache capacity the kernels serve (plan mode)
     batch_invariant: bool = False  # every bucket reduces a row in bucket 1's order (lower_node)
+    l2_prefetch: int = PREFETCH_MAX  # weights a GEMV may pull into L2 ahead of its wait, at most (lower_node)
 
     def uncovered(self) -> list[Entry]:
         return [e for e in self.entries if e.uncovered]
@@ -343,11 +369,13 @@ class Codegen:
 
 
 def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int | None = None,
-                batch_invariant: bool = False) -> Codegen:
+                batch_invariant: bool = False, l2_prefetch: int | None = None) -> Codegen:
     """Lower every layer at every (TP, bucket) and map each plan launch to template points.
 
     ``max_context`` (default: the config's maximum position count) is the MLA cache capacity the kernels
-    serve: the full context length unless a deployment chooses less."""
+    serve: the full context length unless a deployment chooses less. ``l2_prefetch``: bytes of weights a
+    GEMV may pull into L2 while the kernel before it runs, at most (default PREFETCH_MAX; 0: none beyond
+    its first vectors; see ``_gemv_prefetch``)."""
     from .plan import plans_for
 
     check_arch(arch)
@@ -355,21 +383,50 @@ def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int 
     if max_context < 1 or max_context > config.max_position_embeddings:
         raise ValueError(f"max_context {max_context} must be in 1..{config.max_position_embeddings} (the "
                          f"config's max_position_embeddings)")
+    l2_prefetch = PREFETCH_MAX if l2_prefetch is None else l2_prefetch
+    if l2_prefetch < 0 or l2_prefetch > L2_WINDOW:
+        raise ValueError(f"l2_prefetch={l2_prefetch >> 20} MiB must be in 0..{L2_WINDOW >> 20} MiB (what a GEMV may "
+                         f"pull into the H200's L2 ahead of its wait); pass 0 to turn the prefetch off")
     cg = Codegen(config.name, arch, tuple(tps), tuple(buckets), max_context=max_context,
                  batch_invariant=batch_invariant)
     for tp in tps:
         plans = plans_for(config, tp=tp, buckets=buckets, every_layer=True, max_context=max_context)
         for b, plan in plans.items():
+            groups: dict = {}  # one op can be several launches (routed experts: gate/up, down+combine)
             for lp in plan.layers:
-                groups: dict = {}  # one op can be several launches (routed experts: gate/up, down+combine)
                 for la in lp.launches:
                     if la.fx is not None and dialect.is_k3(la.fx):  # unfused torch ops: run by the runtime
-                        groups.setdefault(la.fx, []).append(la)
-                for node, las in groups.items():
-                    es = [Entry(tp, b, lp.kind, lp.layer, la.name, la.op, la.node) for la in las]
-                    cg.entries.extend(es)
-                    _map(cg, node, es, b, tp, arch, batch_invariant)
+                        groups.setdefault(la.fx, (lp, []))[1].append(la)
+            order = {n: i for i, n in enumerate(next(iter(groups)).graph.nodes)} if groups else {}
+            prev = None  # bytes the kernel launched before the next one moves (None: not known)
+            for node in sorted(groups, key=order.__getitem__):  # launch order, as the runtime binds them
+                lp, las = groups[node]
+                es = [Entry(tp, b, lp.kind, lp.layer, la.name, la.op, la.node) for la in las]
+                cg.entries.extend(es)
+                prev = _map(cg, node, es, b, tp, arch, batch_invariant, prev, l2_prefetch)
+    cg.l2_prefetch = l2_prefetch
     return cg
+
+
+
+def _gemv_prefetch(params: dict, prev_bytes: int | None, arch: str, most: int = PREFETCH_MAX) -> dict:
+    """``params`` of a GEMV with ``prefetch`` set from what the kernel before it moves (``prev_bytes``).
+
+    A GEMV's CTAs start (PDL) while the kernel before it runs. After attention or the residual kernel,
+    latency-bound kernels that move a few MB, HBM sits idle: the GEMV can pull up to PREFETCH_MAX of its
+    weights (``most``) into L2 meanwhile: the same number of bytes of every row (the tensor-core path: of every
+    CTA's share of K, from its first stages on), as many as the budget allows. The budget
+    shrinks by what the kernel before moves, so that the prefetched lines are not evicted before use (after
+    a large weight stream, e.g. the dense FFN's up-projection before its down-projection, it is 0 and the
+    GEMV prefetches only its first vectors); with the kernel before unknown it is 0 too."""
+    budget = 0 if prev_bytes is None else min(most, max(0, L2_WINDOW - prev_bytes))
+    if budget == 0:
+        return params
+    per_row = budget // params["n"] // 256 * 256  # every row of W, from its start (tensor cores: its first stages)
+    if not per_row:
+        return params
+    per_row = get_template("gemv").point(arch=arch, **params, prefetch=per_row).c["PREFETCH"]  # clipped to a row
+    return {**params, "prefetch": per_row}
 
 
 def example_points(templates=None, labels=None, arch: str = "sm_90a") -> Codegen:
@@ -391,7 +448,10 @@ def example_points(templates=None, labels=None, arch: str = "sm_90a") -> Codegen
     return cg
 
 
-def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_invariant: bool = False) -> None:
+def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_invariant: bool = False,
+         prev: int | None = None, l2_prefetch: int = PREFETCH_MAX) -> int | None:
+    """Map one dialect node's launches to template points (recorded in ``cg``); returns the bytes its last
+    kernel moves (None if uncovered). ``prev``: the bytes the kernel before it moves (GEMV prefetch)."""
     op = es[0].op
     lower = _LOWERING.get(op)
     try:
@@ -399,7 +459,11 @@ def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_i
             raise _Uncovered(f"no template for dialect op {op}" + (
                 " (a model-level collective: the runtime issues it through torch.distributed, NCCL on GPUs)"
                 if op in dialect.COLLECTIVE_OPS else ""))
-        specs, note = lower_node(node, b, tp, batch_invariant=batch_invariant)
+        try:
+            specs, note = lower_node(node, b, tp, batch_invariant=batch_invariant, prev=prev, arch=arch,
+                                     l2_prefetch=l2_prefetch)
+        except TemplateError as why:
+            raise _Uncovered(str(why)) from None
         names = []
         for tname, params in specs:
             try:
@@ -409,16 +473,17 @@ def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_i
             cg.points.setdefault(p.name, p)
             cg.params.setdefault(p.name, params)
             names.append(p.name)
+            prev = last_bytes([p])
     except _Uncovered as why:
         for e in es:
             e.uncovered = str(why)
-        return
+        return None
     if len(es) == len(names):  # one kernel per planned launch
         for e, n in zip(es, names):
             e.kernels, e.note = [n], note
     else:  # more kernels than the plan counts (a fusion the templates do not do yet): all on the first
         es[0].kernels, es[0].note = names, note
-    return cg
+    return prev
 
 
 def _header(cg: Codegen, name: str) -> list[str]:
@@ -509,6 +574,7 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, audits: dict, *, compil
     unc = cg.uncovered()
     return {"manifest_version": MANIFEST_VERSION, "config": cg.config, "arch": cg.arch, "tp": list(cg.tps),
             "buckets": list(cg.buckets), "max_context": cg.max_context, "batch_invariant": cg.batch_invariant,
+            "l2_prefetch": cg.l2_prefetch,
             "versions": versions() if compiled else {}, "compiled": compiled,
             "packaged": packaged, "kernels": kernels, "plan": plan,
             "coverage": {"plan_launches": len(cg.entries), "covered": len(cg.entries) - len(unc),

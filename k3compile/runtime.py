@@ -89,6 +89,7 @@ class RuntimeError_(RuntimeError):
 # ------------------------------------------------------------------------------------------ kernel sources
 class KernelSource:
     name = "?"
+    l2_prefetch = None  # the GEMVs' L2 prefetch budget the kernels were named with (None: codegen's default)
 
     def function(self, point) -> Callable:
         raise NotImplementedError
@@ -122,6 +123,7 @@ class PackageKernels(KernelSource):
         from .package import KernelPackage
 
         self.package = package if isinstance(package, KernelPackage) else KernelPackage(package)
+        self.l2_prefetch = self.package.manifest.get("l2_prefetch")  # as codegen --l2-prefetch built it
 
     def function(self, point):
         if point.name not in self.package.kernels:
@@ -591,11 +593,12 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
 
     ``disable``: dialect ops or kernel names forced to run eagerly (tests of the coverage proof).
     Model-level collectives become :class:`Collective` nodes (torch.distributed; no-ops in emulation)."""
-    from .codegen import _LOWERING
+    from .codegen import _LOWERING, last_bytes
 
     gm = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
     kernels: dict[str, Kernel] = {}
     bindings: list = []
+    prev = None  # bytes the kernel before moves: a GEMV's L2 prefetch depends on it (codegen.lower_node)
     for node in list(gm.graph.nodes):
         if _is_check(node):
             node.target = _positions
@@ -609,11 +612,14 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
         if op in ("tp_all_reduce", "tp_all_gather"):
             node.target = Collective(node)
             bindings.append(node.target)
+            prev = None
             continue
         if op not in _LOWERING:
             raise RuntimeError_(f"{node.name}: no kernel template for {op}; the runtime cannot run this graph on "
                                 f"kernels")
-        points, note = node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant)
+        points, note = node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant,
+                                   prev=prev, l2_prefetch=source.l2_prefetch)
+        prev = last_bytes(points)
         if op in disable or any(p.name in disable for p in points):
             b = EagerOp(node, "disabled by the caller", [p.name for p in points])
         else:
@@ -632,29 +638,38 @@ def bind(gm: torch.fx.GraphModule, *, bucket: int, tp: int, source: KernelSource
     return BoundGraph(gm, bucket, bindings, kernels)
 
 
-def node_points(node, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False) -> tuple[list, str]:
-    """The template points (kernels) that implement one dialect node, in launch order, and a note."""
+def node_points(node, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False, prev: int | None = None,
+                l2_prefetch: int | None = None) -> tuple[list, str]:
+    """The template points (kernels) that implement one dialect node, in launch order, and a note. ``prev``:
+    what the kernel before moves (``codegen.lower_node``; graph order, collectives reset it to None)."""
     from .codegen import _Uncovered, lower_node
     from .templates import get as get_template
     from .templates.base import TemplateError
 
     op = dialect.op_name(node)
     try:
-        specs, note = lower_node(node, bucket, tp, batch_invariant=batch_invariant)
+        specs, note = lower_node(node, bucket, tp, batch_invariant=batch_invariant, prev=prev, arch=arch,
+                                 l2_prefetch=l2_prefetch)
         return [get_template(t).point(arch=arch, **params) for t, params in specs], note
     except (_Uncovered, TemplateError) as e:
         raise RuntimeError_(f"{node.name} ({op}) at bucket {bucket}, TP {tp}: {e}") from None
 
 
 def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False) -> dict:
-    """Kernel name -> Point for every kernel a lowered graph needs (what ``kernels='jit'`` compiles)."""
-    from .codegen import _LOWERING
+    """Kernel name -> Point for every kernel a lowered graph needs (what ``kernels='jit'`` compiles; the
+    same walk as ``bind``)."""
+    from .codegen import _LOWERING, last_bytes
 
-    out = {}
+    out, prev = {}, None
     for node in gm.graph.nodes:
-        if node.op == "call_function" and dialect.is_k3(node) and dialect.op_name(node) in _LOWERING:
-            for p in node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant)[0]:
-                out[p.name] = p
+        if node.op != "call_function" or not dialect.is_k3(node) or dialect.op_name(node) == "prefetch":
+            continue
+        if dialect.op_name(node) not in _LOWERING:  # a collective
+            prev = None
+            continue
+        points = node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant, prev=prev)[0]
+        out.update((p.name, p) for p in points)
+        prev = last_bytes(points)
     return out
 
 

@@ -18,6 +18,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROLOGUES = ("none", "rms_norm", "situ")
 SMS = 132  # H200
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
+PF_CTAS = 4  # FMA path with an L2 prefetch: CTAs per SM (kernel constant of the same name)
 STAGE_X_BYTES = 64 * 1024  # a prologue's xin (M x K bf16) at most this size is formed once per CTA in shared memory
 SMEM_PER_SM = 200 * 1024  # of the H200's 228 KiB, what staged-xin CTAs may take on one SM together
 
@@ -96,7 +97,7 @@ class Gemv(Template):
 
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
                   beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None,
-                  segments: tuple = ()) -> list:
+                  segments: tuple = (), prefetch: int = 0) -> list:
         need(bucket in BUCKETS, f"gemv: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
@@ -145,6 +146,14 @@ class Gemv(Template):
         rt, stages, split = 1, 1, 1
         if use_mma:
             warps, rt, stages, grid, split = mma_split(m, n, k)
+        need(isinstance(prefetch, int) and prefetch >= 0 and prefetch % 16 == 0,
+             f"gemv: prefetch={prefetch!r} (bytes of each weight row pulled into L2 before the PDL wait) must be a "
+             f"non-negative multiple of 16 (cp.async.bulk.prefetch sizes); pass 0 for the default")
+        # at most what a row (the tensor-core path: the CTA's share of K past its first ring stages) holds
+        row_bytes = 2 * k if not use_mma else 2 * (math.ceil(k / (32 * warps)) // split - (stages - 1)) * 32 * warps
+        prefetch = min(prefetch, max(0, row_bytes) // 16 * 16)
+        if prefetch and not use_mma:  # every warp prefetches all its tasks' rows: the whole grid resident at once
+            grid = min(grid, SMS * PF_CTAS)
         return [const("M", m, "batch rows (the bucket)"), const("N", n, "rows of W (outputs per batch row)"),
                 const("K", k, "reduction length (a multiple of 8)"),
                 const("N_F32", n_f32, "the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output"),
@@ -166,7 +175,9 @@ class Gemv(Template):
                 const("SEGMENTS", segments, "bf16 output as consecutive compact [M, w] blocks of these widths "
                                             "(() : one [M, n - n_f32] row-major output)"),
                 const("STAGE_X", stage_x, "the prologue forms xin once per CTA into shared memory (M x K bf16), "
-                                          "the main loop reads it there")]
+                                          "the main loop reads it there"),
+                const("PREFETCH", prefetch, "bytes of each weight row its first owner bulk-prefetches into L2 "
+                                            "before the PDL wait (0: the first vectors)")]
 
     def examples(self):
         from k3compile.models.config import get_config
@@ -212,6 +223,18 @@ class Gemv(Template):
         # the router + latent front GEMV of the TP8 shard at batch 64: two CTAs of a cluster split K (SPLIT = 2)
         ex["k3tp8_front_split_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,
                                        "segments": (448, 768, 768)}
+        # weights pulled into L2 before the PDL wait (codegen._gemv_prefetch): the o_proj after attention (FMA
+        # path, whole rows), k3-mini's SiTU GEMV (STAGE_X), the router + latent front GEMV at batch 8 (tensor
+        # cores, from the CTA's third ring stage on, wrapping around its K) and with SPLIT at batch 64
+        ex["k3tp8_oproj_pf_b1"] = {"bucket": 1, "n": k3.hidden_size, "k": k3.kda_num_heads * k3.kda_head_dim // tp,
+                                   "prefetch": 3328}
+        ex["mini_situ_pf_b2"] = {"bucket": 2, "n": mini.hidden_size, "k": mini.shared_intermediate_size, **situ,
+                                 "prefetch": 1 << 16}
+        ex["k3tp8_front_pf_b8"] = {"bucket": 8, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,
+                                   "prefetch": 11776}
+        ex["k3tp8_front_split_pf_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size,
+                                          "n_f32": k3.num_experts // tp, "segments": (448, 768, 768),
+                                          "prefetch": 11776}
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex

@@ -69,7 +69,8 @@ class ResidualAttnRes(Template):
              f"pad the hidden size or use the eager reference")
         need(isinstance(nb, int) and 0 <= nb <= MAX_NB,
              f"residual_attn_res: nb={nb} sealed blocks is outside 0..{MAX_NB} (K3 has at most 8); raise MAX_NB "
-             f"only after checking registers (2*(nb+1) fp32 statistics per thread) or use the eager op")
+             f"only after checking registers (2*(nb+1) fp32 statistics per thread, with the output norm up to 8 blocks "
+             f"also (nb+1)*nb/2 pairwise dot products) or use the eager op")
         need(add or has_prefix, "residual_attn_res: add=False and has_prefix=False leaves no input row; pass "
                                 "has_prefix=True (attn_res reads a prefix) or add=True")
         need(tp in TPS, f"residual_attn_res: tp={tp} is not one of {TPS}")

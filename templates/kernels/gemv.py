@@ -21,9 +21,14 @@ K % 256 / 8 lanes) every lane loads 8 consecutive bf16 of each of its ROWS weigh
 then, for each batch row of the chunk, 8 elements of xin, and accumulates ROWS x MB fp32 dot products
 in registers. A warp butterfly reduces each accumulator once at the end; lane 0 writes the results.
 No shared memory in the main loop and no CTA barrier after the prologue: warps retire independently.
-Weight loads are marked L1 evict-first with a 256-byte L2 prefetch (activations stay in L1); before the
-PDL wait each lane already prefetches its first weight vectors into L2 (weights are static, so that is
-safe while the previous kernel still runs; activations are only read after the wait).
+Weight loads are marked L1 evict-first with a 256-byte L2 prefetch (activations stay in L1). Before the PDL
+wait (weights are static, so that is safe while the previous kernel still runs; activations are only read
+after the wait) each warp pulls weight rows into L2: with PREFETCH = 0 each lane the first UNROLL vectors
+of its first task's rows; else, for every task of the warp, lane r the first PREFETCH bytes of row r in one
+``cp.async.bulk.prefetch.L2``, and the grid is capped to PF_CTAS CTAs per SM so that all of it is resident
+(and prefetching) at once. Codegen sets PREFETCH where the kernel before this one moves few bytes (attention,
+the residual kernel: their latency leaves HBM idle), so that much of the weight stream is already in L2
+when the wait returns (``codegen._gemv_prefetch``).
 For M <= 2 this is one warp per weight row streaming at the copy ceiling; for larger M the batch is
 processed MB rows at a time so the accumulators (ROWS x MB) stay in registers without spilling.
 
@@ -41,7 +46,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -69,6 +74,7 @@ STAGES = 1  # tensor-core path: K stages (32 x WARPS elements each) in flight
 SPLIT = 1  # tensor-core path: CTAs of a cluster splitting K (partial sums meet in distributed shared memory)
 SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
 STAGE_X = True  # the prologue forms xin once per CTA into shared memory (M x K bf16), the main loop reads it there
+PREFETCH = 0  # bytes of each weight row its first owner bulk-prefetches into L2 before the PDL wait (0: the first vectors)
 # <<< constants
 
 VEC = 8  # bf16 per 128-bit load
@@ -88,6 +94,16 @@ KB = 32 * WARPS  # tensor-core path: K elements per ring stage (a 32-element sli
 KST = (K + KB - 1) // KB  # tensor-core path: ring stages over K (the last may be partial: K % 128 == 0)
 CPR = KB // VEC  # tensor-core path: 16-byte chunks of one row in a stage
 KSP = KST // SPLIT  # tensor-core path: K stages of one CTA (its cluster rank's share of K)
+PF_CTAS = 4  # FMA path with PREFETCH: CTAs per SM (GRID <= PF_CTAS * SMS: resident at once with <= 64 registers)
+
+
+@dsl_user_op
+def prefetch_l2(addr, size, *, loc=None, ip=None):
+    """``cp.async.bulk.prefetch.L2.global``: pull ``size`` bytes (a multiple of 16) at global address ``addr``
+    (16-byte aligned) into L2, asynchronously (a hint: nothing waits for it)."""
+    llvm.inline_asm(res=None, operands_=[Int64(addr).ir_value(loc=loc, ip=ip), Int32(size).ir_value(loc=loc, ip=ip)],
+                    asm_string="cp.async.bulk.prefetch.L2.global [$0], $1;", constraints="l,r",
+                    has_side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -232,13 +248,18 @@ class Kernel:
         sPart = smem.allocate_tensor(Float32, cute.make_layout((M, WARPS), stride=(WARPS, 1)), 16)
         sXin = smem.allocate_tensor(BFloat16, cute.make_layout((M, K) if STAGE_X else (1, VEC), stride=(K, 1)), 16)
 
-        # Before waiting on the previous kernel: start pulling this warp's first weight vectors into L2.
-        first = cta * WARPS + warp
-        if first < TASKS:
-            for r in cutlass.range_constexpr(ROWS):
-                for s in cutlass.range_constexpr(UNROLL):
-                    gW = cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,), (s * 32 + lane,))
-                    cute.arch.prefetch(gW.iterator.llvm_ptr, cache_level="L2")
+        # Before waiting on the previous kernel: start pulling this warp's weight rows into L2.
+        if cutlass.const_expr(PREFETCH > 0):  # every task's rows: lane r the first PREFETCH bytes of row r
+            for task in cutlass.range(cta * WARPS + warp, TASKS, GRID * WARPS, unroll=1):
+                if lane < ROWS:
+                    prefetch_l2(mW[(task // MCHUNKS) * ROWS + lane, None].iterator.toint(), Int32(PREFETCH))
+        else:  # the first task's: each lane its first UNROLL vectors of each row
+            first = cta * WARPS + warp
+            if first < TASKS:
+                for r in cutlass.range_constexpr(ROWS):
+                    for s in cutlass.range_constexpr(UNROLL):
+                        gW = cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,), (s * 32 + lane,))
+                        cute.arch.prefetch(gW.iterator.llvm_ptr, cache_level="L2")
 
         # The CTA-wide prologue's registers (thread tid: vectors kv = tid + THREADS * i of a row); the staged
         # RMSNorm weight vectors, a weight, are loaded before the wait.
@@ -376,10 +397,23 @@ class Kernel:
         rB = cute.make_rmem_tensor((4,), Uint32)
         acc = cute.make_rmem_tensor((4 * RT * NT,), Float32)
         acc.fill(0.0)
-        # Weights are static: their first stages may stream in while the previous kernel still runs.
+        # Weights are static: their first stages may stream in while the previous kernel still runs, and with
+        # PREFETCH the next PREFETCH bytes of each row (in the CTA's stage order, wrapping around its share of
+        # K) into L2, thread r row r.
         for s in cutlass.range_constexpr(STAGES - 1):
             if s < KSP:
                 self.issue_stage(mWq, mXq, sW, sX, s, k0 + (s + rot) % KSP, row0, tid, True, False)
+        if cutlass.const_expr(PREFETCH > 0):
+            if tid < R and row0 + tid < N:
+                lo = k0 * KB  # the CTA's share of K, in elements: [lo, hi)
+                hi = cutlass.min((k0 + KSP) * KB, K)
+                start = lo + ((rot + STAGES - 1) % KSP) * KB
+                first_len = cutlass.min(hi - start, PREFETCH // 2)
+                row = mWq[row0 + tid, None].iterator.toint()  # (mWq: W's rows as 32-bit words)
+                prefetch_l2(row + Int64(start) * 2, first_len * 2)
+                wrap = cutlass.min(PREFETCH // 2 - first_len, start - lo)  # elements from the share's start
+                if wrap > 0:
+                    prefetch_l2(row + Int64(lo) * 2, wrap * 2)
         cute.arch.griddepcontrol_wait()  # the activations come from the previous kernel
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
         for s in cutlass.range_constexpr(STAGES - 1):  # group s: stage s complete (with the weights above)

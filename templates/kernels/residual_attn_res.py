@@ -26,14 +26,20 @@ written; no DSMEM access follows the last barrier, so a CTA may exit after it.
 
 Threads: each thread owns VEC = 8 consecutive elements per step (one 128-bit load), STEPS = DS / (8 *
 THREADS) steps. A row is a chain of dependent round trips to L2, so the kernel issues every load of its slice
-before any store (a load after a store that may alias it would wait for it): ``a`` and the prefix of all
-steps first, the blocks in pass 1, and the new prefix is stored only after pass 1. Pass 1 forms the new
-prefix (kept in registers, bf16) and accumulates, per thread, the NB + 1 sums of squares and NB + 1 dot
-products with the folded weight; ONE block reduction of that 2 (NB + 1)-vector (warp butterflies, a [WARPS,
-NSTAT] shared array, a second butterfly) and the cluster sum give every thread all logits, so each thread
-computes the softmax itself. Pass 2 re-reads the blocks (L1 hits: pass 1 just loaded them) and mixes them;
-with OUT_NORM the mixed slice stays in registers for one more block and cluster reduction (its sum of
-squares) and the normalised store.
+before any store (a load after a store that may alias it would wait for it): ``a``, the prefix and (UPFRONT:
+at most 8 vectors per thread) the blocks of all steps first, and the new prefix is stored only after pass 1.
+Pass 1 forms the new prefix (kept in registers, bf16) and accumulates, per thread, the NB + 1 sums of squares
+and NB + 1 dot products with the folded weight; ONE block reduction of those statistics (warp butterflies, a
+[WARPS, NRED] shared array, a second butterfly) and the cluster sum give every thread all logits, so each
+thread computes the softmax itself. Pass 2 mixes the sources (the blocks still in registers, else re-read).
+
+The output norm needs sum(out^2) of the mixed row, known only after the softmax: a second row reduction (and
+cluster barrier) on the critical path. With GRAM (OUT_NORM, 1 to 8 blocks) pass 1 also accumulates the
+sources' pairwise dot products <v_s, v_t>, reduced with the rest, and sum(out^2) = sum_s,t alpha_s alpha_t
+<v_s, v_t> (gram_rstd: the unrounded mix, where eager squares the bf16-rounded one; the difference is far
+below bf16's rounding of y). Without blocks the output is the new prefix, whose sum of squares pass 1 takes
+directly. Either way the row has one reduction; with more than 8 blocks the mixed slice stays in registers
+for a second one.
 
 TP > 1: step 1 first all-reduces ``a`` in-kernel (one-shot, peer loads over NVLink, no multicast). Each CTA
 copies its slice of ``a`` into this rank's symmetric buffer ``comm``; after a cluster barrier (every slice of
@@ -88,7 +94,10 @@ NSRC = NB + 1  # AttnRes sources: the sealed blocks, then the prefix
 NSTAT = 2 * NSRC  # per source: sum of squares [0, NSRC), dot with the folded weight [NSRC, 2 NSRC)
 MAX_TP = 16
 MAX_NB = 16
-UPFRONT = TP > 1 and NB * STEPS <= 8  # blocks loaded before the flag exchange (else in pass 1; 4 registers each)
+UPFRONT = NB * STEPS <= 8  # blocks loaded with a and the prefix (4 registers each), kept for pass 2 (else re-read)
+GRAM = OUT_NORM and 0 < NB <= 8  # the output norm's sum of squares from the sources' Gram matrix (one reduction)
+NCROSS = NSRC * (NSRC - 1) // 2 if GRAM else 0  # <v_s, v_t> for s < t, after the NSTAT statistics
+NRED = NSTAT + NCROSS if NB > 0 else (1 if OUT_NORM else 0)  # statistics of the row's one reduction
 EXCHANGE = CL > 1 and (NB > 0 or OUT_NORM or TP > 1)  # the cluster's CTAs exchange row statistics / flags
 # Kernel arguments in call order (the template's args(), then the stream).
 ARG_NAMES = ((["a"] if ADD else []) + (["r"] if ADD_R else []) + (["prefix"] if HAS_PREFIX else [])
@@ -191,6 +200,30 @@ def mix_sources(blocks: list, row, prefix, rAlpha: cute.Tensor, rIn: cute.Tensor
         cute.autovec_copy(cute.local_tile(blocks[b][row, None], (VEC,), (i,)), rIn)
         acc = acc + rIn.load().to(Float32) * rAlpha[b]
     return (acc + prefix * rAlpha[NB]).to(BFloat16)
+
+
+@cute.jit
+def mix_kept(rB: list, s: int, prefix, rAlpha: cute.Tensor) -> cute.TensorSSA:
+    """mix_sources of step s with the blocks still in registers (UPFRONT), in the same order."""
+    acc = rB[s * NB].load().to(Float32) * rAlpha[0]
+    for b in cutlass.range_constexpr(1, NB):
+        acc = acc + rB[s * NB + b].load().to(Float32) * rAlpha[b]
+    return (acc + prefix * rAlpha[NB]).to(BFloat16)
+
+
+@cute.jit
+def gram_rstd(rStat: cute.Tensor, rAlpha: cute.Tensor) -> Float32:
+    """rsqrt(mean(out^2) + OUT_EPS) of out = sum_s alpha_s v_s from the reduced statistics: sum(out^2) =
+    sum_s alpha_s^2 <v_s, v_s> + 2 sum_{s<t} alpha_s alpha_t <v_s, v_t> (before out is rounded to bf16)."""
+    ss = Float32(0.0)
+    for a in cutlass.range_constexpr(NSRC):
+        ss = ss + rAlpha[a] * rAlpha[a] * rStat[a]
+    j = NSTAT
+    for a in cutlass.range_constexpr(NSRC):
+        for b in cutlass.range_constexpr(a + 1, NSRC):
+            ss = ss + Float32(2.0) * rAlpha[a] * rAlpha[b] * rStat[j]
+            j += 1
+    return rms_scale(ss, Float32(OUT_EPS))
 
 
 @cute.jit
@@ -320,9 +353,10 @@ class Kernel:
             for s in cutlass.range_constexpr(STEPS):
                 rA[s].store((rR[s].load().to(Float32) + rA[s].load().to(Float32)).to(BFloat16))
 
-        # Pass 1: new prefix (kept in registers) and the per-source statistics of this CTA's slice.
-        rStat = cute.make_rmem_tensor((NSTAT,), Float32)
-        for j in cutlass.range_constexpr(NSTAT):
+        # Pass 1: new prefix (kept in registers) and the per-source statistics of this CTA's slice (with GRAM
+        # also the sources' pairwise dot products; without blocks the new prefix's sum of squares).
+        rStat = cute.make_rmem_tensor((max(NRED, 1),), Float32)
+        for j in cutlass.range_constexpr(max(NRED, 1)):
             rStat[j] = Float32(0.0)
         prefixVals = []
         for s in cutlass.range_constexpr(STEPS):
@@ -337,6 +371,7 @@ class Kernel:
                 p = prefixVals[s].load().to(Float32)
                 rStat[NB] += (p * p).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                 rStat[NSRC + NB] += (p * wMix[s]).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                vals = []
                 for b in cutlass.range_constexpr(NB):
                     if cutlass.const_expr(UPFRONT):
                         v = rB[s * NB + b].load().to(Float32)
@@ -346,19 +381,38 @@ class Kernel:
                     rStat[b] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
                     rStat[NSRC + b] += (v * wMix[s]).reduce(cute.ReductionOp.ADD, Float32(0.0),
                                                             reduction_profile=0)
+                    vals.append(v)
+                if cutlass.const_expr(GRAM):
+                    vals.append(p)
+                    j = NSTAT
+                    for a in cutlass.range_constexpr(NSRC):
+                        for b in cutlass.range_constexpr(a + 1, NSRC):
+                            rStat[j] += (vals[a] * vals[b]).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                   reduction_profile=0)
+                            j += 1
+            elif cutlass.const_expr(OUT_NORM):  # out is the new prefix: its sum of squares now
+                p = prefixVals[s].load().to(Float32)
+                rStat[0] += (p * p).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
         if cutlass.const_expr(ADD):  # the new prefix, stored after every load of pass 1
             for s in cutlass.range_constexpr(STEPS):
                 cute.autovec_copy(rA[s], cute.local_tile(mNewPrefix[row, None], (VEC,), (col0 + s * THREADS,)))
 
-        # Softmax weights (every thread computes all of them from the row's statistics).
+        # The row's statistics, reduced once (every thread gets them): softmax weights and, with GRAM or without
+        # blocks, the output norm's scale.
         rAlpha = cute.make_rmem_tensor((NSRC,), Float32)
-        if cutlass.const_expr(NB > 0):
-            sStat = smem.allocate_tensor(Float32, cute.make_layout((WARPS, NSTAT)), 16)
-            block_sum(rStat, sStat, NSTAT)
+        rstd = Float32(0.0)
+        if cutlass.const_expr(NRED > 0):
+            sStat = smem.allocate_tensor(Float32, cute.make_layout((WARPS, NRED)), 16)
+            block_sum(rStat, sStat, NRED)
             if cutlass.const_expr(CL > 1):  # also the barrier after every CTA's reads of the peers' rows
-                sAll = smem.allocate_tensor(Float32, cute.make_layout((CL, NSTAT), stride=(NSTAT, 1)), 16)
-                cluster_sum(rStat, sAll, rank, NSTAT, TP == 1)
-            attn_res_alpha(rStat, rAlpha)
+                sAll = smem.allocate_tensor(Float32, cute.make_layout((CL, NRED), stride=(NRED, 1)), 16)
+                cluster_sum(rStat, sAll, rank, NRED, TP == 1)
+            if cutlass.const_expr(NB > 0):
+                attn_res_alpha(rStat, rAlpha)
+            if cutlass.const_expr(GRAM):
+                rstd = gram_rstd(rStat, rAlpha)
+            elif cutlass.const_expr(NB == 0):
+                rstd = rms_scale(rStat[0], Float32(OUT_EPS))
         elif cutlass.const_expr(TP > 1 and CL > 1):  # every CTA done reading the peers' rows
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -368,17 +422,24 @@ class Kernel:
             if tid == 0 and rank == 0:
                 epoch1 = raise_flag(mSignal, 1, row)
 
-        # Pass 2: mix the sources (blocks re-read), then store y or keep the row for the output norm.
+        # Pass 2: mix the sources (blocks from registers, or re-read), then store y (normalised with the scale
+        # known) or keep the row for the output norm's own reduction (more than 8 blocks).
         rSq = cute.make_rmem_tensor((1,), Float32)
         rSq[0] = Float32(0.0)
         outVals = []
         for s in cutlass.range_constexpr(STEPS):
             i = col0 + s * THREADS
-            if cutlass.const_expr(NB > 0):
+            if cutlass.const_expr(NB > 0 and UPFRONT):
+                out = mix_kept(rB, s, prefixVals[s].load().to(Float32), rAlpha)
+            elif cutlass.const_expr(NB > 0):
                 out = mix_sources(blocks, row, prefixVals[s].load().to(Float32), rAlpha, rIn, i)
             else:
                 out = prefixVals[s].load()
-            if cutlass.const_expr(OUT_NORM):
+            if cutlass.const_expr(OUT_NORM and (GRAM or NB == 0)):
+                normed = (out.to(Float32) * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
+                rOut.store((normed.to(Float32) * wOut[s].load().to(Float32)).to(BFloat16))
+                cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (i,)))
+            elif cutlass.const_expr(OUT_NORM):
                 o = out.to(Float32)
                 outVals.append(o)
                 rSq[0] += (o * o).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
@@ -386,12 +447,12 @@ class Kernel:
                 rOut.store(out)
                 cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (i,)))
 
-        if cutlass.const_expr(OUT_NORM):
+        if cutlass.const_expr(OUT_NORM and not (GRAM or NB == 0)):
             sSq = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 1)), 16)
             block_sum(rSq, sSq, 1)
             if cutlass.const_expr(CL > 1):
                 sSqAll = smem.allocate_tensor(Float32, cute.make_layout((CL, 1)), 16)
-                cluster_sum(rSq, sSqAll, rank, 1, TP == 1 and NB == 0)
+                cluster_sum(rSq, sSqAll, rank, 1, False)
             rstd = rms_scale(rSq[0], Float32(OUT_EPS))
             for s in cutlass.range_constexpr(STEPS):
                 normed = (outVals[s] * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight

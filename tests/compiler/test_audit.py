@@ -116,6 +116,31 @@ def test_taint_follows_address_arithmetic():
     assert rep.entries[0].weight_accesses_before_wait == 1  # the prefetch of w
 
 
+def test_bulk_prefetch_address_is_its_first_operand():
+    """``cp.async.bulk.prefetch.L2.global [src], size`` has no destination: the address is operand 0 (a
+    cp.async copy's is operand 1). A bulk prefetch of an activation before the wait is caught; of a weight, it
+    counts as a weight access."""
+    body = """
+.visible .entry k(
+	.param .align 8 .b8 k_param_0[8],
+	.param .align 8 .b8 k_param_1[8]
+)
+{
+	ld.param.b64 	%rd1, [k_param_0];
+	ld.param.b64 	%rd2, [k_param_1];
+	mov.u32 	%r1, 3328;
+	cp.async.bulk.prefetch.L2.global [%rd1], %r1;
+	cp.async.bulk.prefetch.L2.global [%rd2], %r1;
+	griddepcontrol.wait;
+	ret;
+}
+"""
+    rep = audit_ptx(body, [["w", "x"]], {"w"})
+    assert rep.problems() == ["k: line 11: `cp.async.bulk.prefetch.L2.global [%rd2], %r1` reads x before "
+                              "griddepcontrol.wait"]
+    assert rep.entries[0].weight_accesses_before_wait == 1
+
+
 def test_every_template_launch_asks_for_pdl():
     """The audit above is what makes PDL safe; this is what makes it happen: every kernel launch of every
     template passes ``use_pdl=True`` (without it the overlap is silently lost, and the wait and trigger are

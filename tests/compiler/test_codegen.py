@@ -60,6 +60,9 @@ def test_every_instance_compiles_without_spills(mini_build):
         assert (d / "kernel.cubin").read_bytes()[:4] == b"\x7fELF", name
         assert k["ptxas"]["spill_store_bytes"] == 0 and k["ptxas"]["spill_load_bytes"] == 0, (name, k["ptxas"])
         assert k["audit"]["ok"], (name, k["audit"]["problems"])  # only weights read before the PDL wait
+        c = k["constants"]
+        if k["template"] == "gemv" and c["PREFETCH"] and not c["MMA"]:  # 4 CTAs per SM, all resident at once
+            assert k["ptxas"]["registers"] <= 64 and c["GRID"] <= 4 * 132, (name, k["ptxas"], c["GRID"])
     # every (TP, bucket) point produced kernels, and every template in use is exercised at every bucket
     for tp in TPS:
         for b in DEFAULT_BUCKETS:
@@ -125,6 +128,50 @@ def test_manifest_is_json_with_bytes_and_flops(mini_build):
     assert m["arch"] == "sm_90a" and m["tp"] == list(TPS) and m["buckets"] == list(DEFAULT_BUCKETS)
     for k in m["kernels"].values():
         assert k["bytes"] > 0 and k["implements"] and k["arguments"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_runtime_binds_the_kernels_codegen_names(mini_codegen, tp):
+    """A GEMV's L2 prefetch depends on the kernel launched before it, so codegen (over the plan) and the
+    runtime (over the lowered graph) must walk the launches in the same order to name the same kernels:
+    otherwise a prebuilt package lacks what the runtime asks for."""
+    from k3compile import runtime
+    from k3compile.capture import capture_config
+    from k3compile.compiler import Options, lower
+
+    cap = capture_config(k3_mini(), tp_size=tp, max_context=k3_mini().max_position_embeddings)
+    for b in (1, 8):
+        gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=b, options=Options.make(buckets=(b,)),
+                   batch_symbol=cap.batch_symbol)
+        bound = set(runtime.graph_points(gm, bucket=b, tp=tp, arch="sm_90a"))
+        named = {k for e in mini_codegen.entries if e.tp == tp and e.bucket == b for k in e.kernels}
+        assert bound == named, (tp, b, sorted(bound ^ named))
+        assert any(mini_codegen.params[k].get("prefetch") for k in named if k.startswith("gemv_"))
+
+
+def test_gemv_prefetch_follows_what_the_kernel_before_moves():
+    """At K3 TP8-shard widths: the o_proj after attention and the front GEMVs after the residual kernel pull
+    whole rows or as much as PREFETCH_MAX allows into L2; the dense FFN's down-projection, right after its
+    115 MiB up-projection, does not (its lines would be evicted); --l2-prefetch 0 turns it off."""
+    from k3compile.codegen import L2_WINDOW, PREFETCH_MAX
+    from k3compile.models.config import get_config
+
+    def gemvs(l2_prefetch=None):
+        cg = plan_points(get_config("slice:2"), tps=(8,), buckets=(1,), max_context=4096, l2_prefetch=l2_prefetch)
+        return {(e.layer, e.launch): cg.points[k] for e in cg.entries for k in e.kernels if k.startswith("gemv_")}
+
+    pts = gemvs()
+    oproj = pts[(1, "oproj_residual_norm")].c
+    assert oproj["PREFETCH"] == 2 * oproj["K"]  # 21 MiB: every row whole
+    for key, p in pts.items():
+        c = p.c
+        assert c["N"] * c["PREFETCH"] <= PREFETCH_MAX, key  # every row, that many bytes of each
+        assert not c["PREFETCH"] or c["MMA"] or c["GRID"] <= 132 * 4, key  # the FMA grid resident at once
+    front = pts[(1, "front_gemm")].c  # router + latent + shared gate/up after the residual kernel
+    assert front["PREFETCH"] * front["N"] > PREFETCH_MAX * 0.9
+    assert pts[(0, "situ_linear")].template.bytes(pts[(0, "front_gemm")].c) > L2_WINDOW
+    assert pts[(0, "situ_linear")].c["PREFETCH"] == 0
+    assert all(p.c["PREFETCH"] == 0 for p in gemvs(0).values())
 
 
 def test_gemv_prologues_are_fused_up_to_bucket_4_and_kernels_of_their_own_above(mini_codegen):

@@ -107,6 +107,13 @@ def test_examples_compile_for_sm90a_without_spills(tmp_path):
         else:
             assert before == 0, f"{label}: a global load precedes griddepcontrol.wait"
         assert audit_point(p, ptx).ok, (label, audit_point(p, ptx).problems())
+        # with PREFETCH the weight rows go to L2 in bulk before the wait (FMA path: one per task of a warp, in
+        # a loop; tensor cores: a CTA's rows, in one or two pieces around its share of K), else never in bulk
+        bulk = ptx.count("cp.async.bulk.prefetch.L2.global")
+        assert bulk == (0 if not p.c["PREFETCH"] else 2 if p.c["MMA"] else 1), (label, bulk)
+        assert ptx[wait:].count("cp.async.bulk.prefetch") == 0, label
+        if p.c["PREFETCH"] and not p.c["MMA"]:
+            assert p.c["GRID"] <= 4 * 132 and rep["registers"] <= 64, (label, rep)  # resident at once
         if p.c["MMA"]:  # weights and activations through the 16-byte cp.async ring; the weights' first stages
             # are issued before the wait (weights are static), the activations' only after it
             n_before = ptx[:wait].count("cp.async.cg.shared.global")
@@ -139,6 +146,7 @@ def test_render_is_deterministic_and_reads_like_a_kernel():
     ({"bucket": 1, "n": 64, "k": 256, "pro": "silu"}, ["'silu'", "rms_norm"]),
     ({"bucket": 1, "n": 64, "k": 256, "pro": "rms_norm", "eps": 0.0}, ["eps"]),
     ({"bucket": 1, "n": 64, "k": 256, "pro": "situ", "beta": -1.0}, ["beta", "4.0"]),
+    ({"bucket": 1, "n": 64, "k": 256, "prefetch": 100}, ["prefetch=100", "multiple of 16"]),
 ])
 def test_bad_params_raise_a_useful_error(params, words):
     with pytest.raises(TemplateError) as e:

@@ -233,10 +233,14 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
         assert len(before) >= early * steps, (label, len(before), early)
         assert len(stores) == (1 + c["ADD"] + (c["TP"] > 1)) * steps, (label, len(stores))  # + the comm row
         if env["EXCHANGE"]:  # one early relaxed arrive; each exchange: DSMEM stores to every CTA, then a barrier
-            nstores = (2 * (c["NB"] + 1) if c["NB"] else 0) + c["OUT_NORM"]
+            # one reduction of the row's statistics (with GRAM the output norm's too); a second for the output
+            # norm only past 8 blocks
+            nred, second = env["NRED"], c["OUT_NORM"] and c["NB"] > 0 and not env["GRAM"]
+            assert env["GRAM"] == (c["OUT_NORM"] and 0 < c["NB"] <= 8), label
+            nstores = nred + second
             assert ptx.count("st.shared::cluster.f32") == nstores and ptx.count("mapa.shared::cluster") == nstores
             assert ptx.count("barrier.cluster.arrive.relaxed") == 1, label
-            barriers = (c["NB"] > 0) + c["OUT_NORM"] + (c["TP"] > 1) + (c["TP"] > 1 and not c["NB"])
+            barriers = (nred > 0) + second + (c["TP"] > 1) + (c["TP"] > 1 and not nred)
             assert ptx.count("barrier.cluster.wait") == barriers + 1, label  # + the "every CTA runs" wait
         else:
             assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx, label
