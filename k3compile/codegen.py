@@ -67,7 +67,7 @@ def _arg(node, name: str):
 
 
 L2_WINDOW = 40 << 20  # of the H200's 60 MB L2: what a prefetch and the kernel running meanwhile may fill together
-PREFETCH_MAX = 24 << 20  # bytes of weights a GEMV pulls into L2 before its PDL wait, at most
+PREFETCH_MAX = 0  # bytes of weights a GEMV pulls into L2 before its PDL wait, at most (off: see _gemv_prefetch)
 _PROLOGUE_NOTE = "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel"
 
 
@@ -418,7 +418,12 @@ def _gemv_prefetch(params: dict, prev_bytes: int | None, arch: str, most: int = 
     CTA's share of K, from its first stages on), as many as the budget allows. The budget
     shrinks by what the kernel before moves, so that the prefetched lines are not evicted before use (after
     a large weight stream, e.g. the dense FFN's up-projection before its down-projection, it is 0 and the
-    GEMV prefetches only its first vectors); with the kernel before unknown it is 0 too."""
+    GEMV prefetches only its first vectors); with the kernel before unknown it is 0 too.
+
+    Off by default (PREFETCH_MAX = 0; ``codegen --l2-prefetch 24`` turns it on): on the H200 at K3 TP8-shard
+    widths it measured no gain (BENCHMARKS.md, 2026-12-02 thirteenth entry). At batch 1 the o_proj GEMV after
+    the KDA decode was as fast with its 21 MiB in L2 as without, the KDA decode itself got slower under the
+    prefetch traffic, and the lm_head, whose grid the prefetch caps to what is resident at once, lost 12 us."""
     budget = 0 if prev_bytes is None else min(most, max(0, L2_WINDOW - prev_bytes))
     if budget == 0:
         return params

@@ -655,7 +655,8 @@ def node_points(node, *, bucket: int, tp: int, arch: str, batch_invariant: bool 
         raise RuntimeError_(f"{node.name} ({op}) at bucket {bucket}, TP {tp}: {e}") from None
 
 
-def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False) -> dict:
+def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str, batch_invariant: bool = False,
+                 l2_prefetch: int | None = None) -> dict:
     """Kernel name -> Point for every kernel a lowered graph needs (what ``kernels='jit'`` compiles; the
     same walk as ``bind``)."""
     from .codegen import _LOWERING, last_bytes
@@ -667,7 +668,8 @@ def graph_points(gm: torch.fx.GraphModule, *, bucket: int, tp: int, arch: str, b
         if dialect.op_name(node) not in _LOWERING:  # a collective
             prev = None
             continue
-        points = node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant, prev=prev)[0]
+        points = node_points(node, bucket=bucket, tp=tp, arch=arch, batch_invariant=batch_invariant, prev=prev,
+                             l2_prefetch=l2_prefetch)[0]
         out.update((p.name, p) for p in points)
         prev = last_bytes(points)
     return out

@@ -18,7 +18,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROLOGUES = ("none", "rms_norm", "situ")
 SMS = 132  # H200
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
-PF_CTAS = 4  # FMA path with an L2 prefetch: CTAs per SM (kernel constant of the same name)
+PF_CTAS = 4  # FMA path with an L2 prefetch, batch 1-2: CTAs per SM that fit (<= 64 registers); 2 from batch 4
 STAGE_X_BYTES = 64 * 1024  # a prologue's xin (M x K bf16) at most this size is formed once per CTA in shared memory
 SMEM_PER_SM = 200 * 1024  # of the H200's 228 KiB, what staged-xin CTAs may take on one SM together
 
@@ -153,7 +153,7 @@ class Gemv(Template):
         row_bytes = 2 * k if not use_mma else 2 * (math.ceil(k / (32 * warps)) // split - (stages - 1)) * 32 * warps
         prefetch = min(prefetch, max(0, row_bytes) // 16 * 16)
         if prefetch and not use_mma:  # every warp prefetches all its tasks' rows: the whole grid resident at once
-            grid = min(grid, SMS * PF_CTAS)
+            grid = min(grid, SMS * (PF_CTAS if m <= 2 else PF_CTAS // 2))  # (more accumulators from batch 4)
         return [const("M", m, "batch rows (the bucket)"), const("N", n, "rows of W (outputs per batch row)"),
                 const("K", k, "reduction length (a multiple of 8)"),
                 const("N_F32", n_f32, "the first N_F32 rows of W go to the fp32 output, the rest to the bf16 output"),

@@ -25,8 +25,8 @@ Weight loads are marked L1 evict-first with a 256-byte L2 prefetch (activations 
 wait (weights are static, so that is safe while the previous kernel still runs; activations are only read
 after the wait) each warp pulls weight rows into L2: with PREFETCH = 0 each lane the first UNROLL vectors
 of its first task's rows; else, for every task of the warp, lane r the first PREFETCH bytes of row r in one
-``cp.async.bulk.prefetch.L2``, and the grid is capped to PF_CTAS CTAs per SM so that all of it is resident
-(and prefetching) at once. Codegen sets PREFETCH where the kernel before this one moves few bytes (attention,
+``cp.async.bulk.prefetch.L2``, and the template caps the grid to what is resident (and prefetching) at
+once. Codegen sets PREFETCH where the kernel before this one moves few bytes (attention,
 the residual kernel: their latency leaves HBM idle), so that much of the weight stream is already in L2
 when the wait returns (``codegen._gemv_prefetch``).
 For M <= 2 this is one warp per weight row streaming at the copy ceiling; for larger M the batch is
@@ -94,7 +94,6 @@ KB = 32 * WARPS  # tensor-core path: K elements per ring stage (a 32-element sli
 KST = (K + KB - 1) // KB  # tensor-core path: ring stages over K (the last may be partial: K % 128 == 0)
 CPR = KB // VEC  # tensor-core path: 16-byte chunks of one row in a stage
 KSP = KST // SPLIT  # tensor-core path: K stages of one CTA (its cluster rank's share of K)
-PF_CTAS = 4  # FMA path with PREFETCH: CTAs per SM (GRID <= PF_CTAS * SMS: resident at once with <= 64 registers)
 
 
 @dsl_user_op

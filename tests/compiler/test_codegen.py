@@ -61,8 +61,9 @@ def test_every_instance_compiles_without_spills(mini_build):
         assert k["ptxas"]["spill_store_bytes"] == 0 and k["ptxas"]["spill_load_bytes"] == 0, (name, k["ptxas"])
         assert k["audit"]["ok"], (name, k["audit"]["problems"])  # only weights read before the PDL wait
         c = k["constants"]
-        if k["template"] == "gemv" and c["PREFETCH"] and not c["MMA"]:  # 4 CTAs per SM, all resident at once
-            assert k["ptxas"]["registers"] <= 64 and c["GRID"] <= 4 * 132, (name, k["ptxas"], c["GRID"])
+        if k["template"] == "gemv" and c["PREFETCH"] and not c["MMA"]:  # the whole grid resident at once
+            regs = -(-k["ptxas"]["registers"] // 8) * 8
+            assert c["GRID"] <= 132 * (65536 // (32 * c["WARPS"] * regs)), (name, k["ptxas"], c["GRID"])
     # every (TP, bucket) point produced kernels, and every template in use is exercised at every bucket
     for tp in TPS:
         for b in DEFAULT_BUCKETS:
@@ -108,7 +109,8 @@ def test_second_run_hits_the_cache(mini_codegen, mini_build, tmp_path):
     manifest = write(mini_codegen, tmp_path, compile=True, quiet=True)
     again = time.time() - t0
     assert manifest["kernels"].keys() == mini_build[1]["kernels"].keys()
-    assert again < max(5.0, first / 10), (first, again)
+    # a cached kernel still costs a copy and a PTX audit (~15 ms): recompiling would cost ~1 s each
+    assert again < max(5.0, first / 10, 0.03 * len(manifest["kernels"])), (first, again)
 
 
 def test_rendered_header_names_point_and_constants(mini_build):
@@ -140,35 +142,39 @@ def test_runtime_binds_the_kernels_codegen_names(mini_codegen, tp):
     from k3compile.compiler import Options, lower
 
     cap = capture_config(k3_mini(), tp_size=tp, max_context=k3_mini().max_position_embeddings)
+    on = plan_points(k3_mini(), tps=(tp,), buckets=(1, 8), l2_prefetch=24 << 20)  # --l2-prefetch 24
     for b in (1, 8):
         gm = lower(cap.graph_module, cap.inputs, tp_size=tp, bucket=b, options=Options.make(buckets=(b,)),
                    batch_symbol=cap.batch_symbol)
-        bound = set(runtime.graph_points(gm, bucket=b, tp=tp, arch="sm_90a"))
-        named = {k for e in mini_codegen.entries if e.tp == tp and e.bucket == b for k in e.kernels}
-        assert bound == named, (tp, b, sorted(bound ^ named))
-        assert any(mini_codegen.params[k].get("prefetch") for k in named if k.startswith("gemv_"))
+        for cg, l2 in ((mini_codegen, None), (on, 24 << 20)):
+            bound = set(runtime.graph_points(gm, bucket=b, tp=tp, arch="sm_90a", l2_prefetch=l2))
+            named = {k for e in cg.entries if e.tp == tp and e.bucket == b for k in e.kernels}
+            assert bound == named, (tp, b, l2, sorted(bound ^ named))
+            assert any(cg.params[k].get("prefetch") for k in named if k.startswith("gemv_")) == bool(l2)
 
 
 def test_gemv_prefetch_follows_what_the_kernel_before_moves():
     """At K3 TP8-shard widths: the o_proj after attention and the front GEMVs after the residual kernel pull
-    whole rows or as much as PREFETCH_MAX allows into L2; the dense FFN's down-projection, right after its
-    115 MiB up-projection, does not (its lines would be evicted); --l2-prefetch 0 turns it off."""
-    from k3compile.codegen import L2_WINDOW, PREFETCH_MAX
+    whole rows or as much as the budget (here 24 MiB) allows into L2; the dense FFN's down-projection, right after
+    its 115 MiB up-projection, does not (its lines would be evicted). Off by default and with 0."""
+    from k3compile.codegen import L2_WINDOW
     from k3compile.models.config import get_config
 
     def gemvs(l2_prefetch=None):
         cg = plan_points(get_config("slice:2"), tps=(8,), buckets=(1,), max_context=4096, l2_prefetch=l2_prefetch)
         return {(e.layer, e.launch): cg.points[k] for e in cg.entries for k in e.kernels if k.startswith("gemv_")}
 
-    pts = gemvs()
+    assert all(p.c["PREFETCH"] == 0 for p in gemvs().values())  # off by default (measured no gain)
+    most = 24 << 20
+    pts = gemvs(most)
     oproj = pts[(1, "oproj_residual_norm")].c
     assert oproj["PREFETCH"] == 2 * oproj["K"]  # 21 MiB: every row whole
     for key, p in pts.items():
         c = p.c
-        assert c["N"] * c["PREFETCH"] <= PREFETCH_MAX, key  # every row, that many bytes of each
+        assert c["N"] * c["PREFETCH"] <= most, key  # every row, that many bytes of each
         assert not c["PREFETCH"] or c["MMA"] or c["GRID"] <= 132 * 4, key  # the FMA grid resident at once
     front = pts[(1, "front_gemm")].c  # router + latent + shared gate/up after the residual kernel
-    assert front["PREFETCH"] * front["N"] > PREFETCH_MAX * 0.9
+    assert front["PREFETCH"] * front["N"] > most * 0.9
     assert pts[(0, "situ_linear")].template.bytes(pts[(0, "front_gemm")].c) > L2_WINDOW
     assert pts[(0, "situ_linear")].c["PREFETCH"] == 0
     assert all(p.c["PREFETCH"] == 0 for p in gemvs(0).values())
