@@ -408,7 +408,6 @@ def plan_points(config, *, tps, buckets, arch: str = "sm_90a", max_context: int 
     return cg
 
 
-
 def _gemv_prefetch(params: dict, prev_bytes: int | None, arch: str, most: int = PREFETCH_MAX) -> dict:
     """``params`` of a GEMV with ``prefetch`` set from what the kernel before it moves (``prev_bytes``).
 
@@ -567,8 +566,7 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, audits: dict, *, compil
         }
         if n in reports:
             r = reports[n]
-            kernels[n]["ptxas"] = {k: r[k] for k in ("registers", "stack_bytes", "spill_store_bytes",
-                                                     "spill_load_bytes")}
+            kernels[n]["ptxas"] = {k: r[k] for k in ("registers", "stack_bytes")}
             kernels[n]["audit"] = audits[n]
     plan: dict = {}
     for e in cg.entries:
@@ -597,8 +595,9 @@ def summary(manifest: dict) -> str:
     lines.append("  per template: " + ", ".join(f"{t} {n}" for t, n in sorted(by_t.items())))
     if manifest["compiled"]:
         worst = max((k["ptxas"]["registers"] for k in manifest["kernels"].values()), default=0)
-        spills = [n for n, k in manifest["kernels"].items() if k["ptxas"]["spill_store_bytes"]]
-        lines.append(f"  compiled for {manifest['arch']}: max {worst} registers; spills in {len(spills)} kernels"
+        spills = [n for n, k in manifest["kernels"].items() if k["ptxas"]["stack_bytes"]]
+        lines.append(f"  compiled for {manifest['arch']}: max {worst} registers; local memory (spills or a "
+                     f"local array) in {len(spills)} kernels"
                      + (f" ({', '.join(spills[:5])})" if spills else ""))
         bad = [n for n, k in manifest["kernels"].items() if not k["audit"]["ok"]]
         n_all = len(manifest["kernels"])

@@ -276,12 +276,12 @@ def _compile_and_audit(kern: dict, c: Check, audit: Check) -> None:
         cg.params[name] = {x.name: x.value for x in k.point.constants}
     with tempfile.TemporaryDirectory() as out:
         man = codegen.write(cg, __import__("pathlib").Path(out), quiet=True)
-    spills = [n for n, k in man["kernels"].items() if k["ptxas"]["spill_store_bytes"]]
+    spills = [n for n, k in man["kernels"].items() if k["ptxas"]["stack_bytes"]]
     regs = max(k["ptxas"]["registers"] for k in man["kernels"].values())
-    c.details.append(f"compiled for {cg.arch}: {len(man['kernels'])} kernels, max {regs} registers, spills in "
-                     f"{len(spills)}")
+    c.details.append(f"compiled for {cg.arch}: {len(man['kernels'])} kernels, max {regs} registers, local memory "
+                     f"(spills or a local array) in {len(spills)}")
     for n in spills:
-        c.fail(f"{n} spills registers")
+        c.fail(f"{n} uses local memory (a stack frame: register spills or a local array)")
     bad = {n: k["audit"]["problems"] for n, k in man["kernels"].items() if not k["audit"]["ok"]}
     audit.data = {n: k["audit"] for n, k in man["kernels"].items()}
     audit.summary = f"{len(man['kernels']) - len(bad)} of {len(man['kernels'])} kernels pass (PTX read)"
@@ -293,11 +293,11 @@ def _package_audit(root: str, kern: dict, c: Check, audit: Check) -> None:
     with open(os.path.join(root, "manifest.json")) as fh:
         man = json.load(fh)["kernels"]
     used = {n: man[n] for n in kern}
-    spills = [n for n, k in used.items() if k["ptxas"]["spill_store_bytes"]]
+    spills = [n for n, k in used.items() if k["ptxas"]["stack_bytes"]]
     c.details.append(f"package build (ptxas, {len(used)} kernels used): max "
-                     f"{max(k['ptxas']['registers'] for k in used.values())} registers, spills in {len(spills)}")
+                     f"{max(k['ptxas']['registers'] for k in used.values())} registers, local memory in {len(spills)}")
     for n in spills:
-        c.fail(f"{n} spills registers")
+        c.fail(f"{n} uses local memory (a stack frame: register spills or a local array)")
     bad = {n: k["audit"]["problems"] for n, k in used.items() if not k["audit"]["ok"]}
     audit.data = {n: k["audit"] for n, k in used.items()}
     audit.summary = f"{len(used) - len(bad)} of {len(used)} kernels pass (PTX audited at package build)"

@@ -176,8 +176,9 @@ class Gemv(Template):
                                             "(() : one [M, n - n_f32] row-major output)"),
                 const("STAGE_X", stage_x, "the prologue forms xin once per CTA into shared memory (M x K bf16), "
                                           "the main loop reads it there"),
-                const("PREFETCH", prefetch, "bytes of each weight row its first owner bulk-prefetches into L2 "
-                                            "before the PDL wait (0: the first vectors)")]
+                const("PREFETCH", prefetch, "bytes of each weight row the warp owning it bulk-prefetches into L2 "
+                                            "before the PDL wait (0: each warp the first vectors of its first "
+                                            "task's rows)")]
 
     def examples(self):
         from k3compile.models.config import get_config

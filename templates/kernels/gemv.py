@@ -74,7 +74,7 @@ STAGES = 1  # tensor-core path: K stages (32 x WARPS elements each) in flight
 SPLIT = 1  # tensor-core path: CTAs of a cluster splitting K (partial sums meet in distributed shared memory)
 SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
 STAGE_X = True  # the prologue forms xin once per CTA into shared memory (M x K bf16), the main loop reads it there
-PREFETCH = 0  # bytes of each weight row its first owner bulk-prefetches into L2 before the PDL wait (0: the first vectors)
+PREFETCH = 0  # bytes of each weight row the warp owning it bulk-prefetches into L2 before the PDL wait (0: each warp the first vectors of its first task's rows)
 # <<< constants
 
 VEC = 8  # bf16 per 128-bit load

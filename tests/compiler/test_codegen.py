@@ -58,7 +58,7 @@ def test_every_instance_compiles_without_spills(mini_build):
         d = out / "kernels" / name
         assert ".target sm_90a" in (d / "kernel.ptx").read_text(), name
         assert (d / "kernel.cubin").read_bytes()[:4] == b"\x7fELF", name
-        assert k["ptxas"]["spill_store_bytes"] == 0 and k["ptxas"]["spill_load_bytes"] == 0, (name, k["ptxas"])
+        assert k["ptxas"]["stack_bytes"] == 0, (name, k["ptxas"])  # no spills, no local arrays
         assert k["audit"]["ok"], (name, k["audit"]["problems"])  # only weights read before the PDL wait
         c = k["constants"]
         if k["template"] == "gemv" and c["PREFETCH"] and not c["MMA"]:  # the whole grid resident at once
