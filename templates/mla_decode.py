@@ -8,12 +8,13 @@ runtime drops that node), then ``models.ops.mla_decode(q, latent, gate, cache, l
 scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plus itself (at position
 ``lengths[m]``).
 
-This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid
-H x M: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, rounded to bf16 into the scratch
-``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the tensor
-cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
-per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB: two
-rows per CTA from batch 2) that merges the partials and applies W_uv and the sigmoid output gate.
+This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid H x M x
+4: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, a quarter of its columns per CTA, rounded to bf16
+into the scratch ``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the
+tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
+per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB x
+COMBINE_SPLIT: two rows per CTA from batch 2, a share of the head's outputs per CTA at small batches) that merges
+the partials and applies W_uv and the sigmoid output gate.
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
 ``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
@@ -38,7 +39,7 @@ SMS = 132  # H200 SMs
 MAX_HEADS = 32  # two 16-row MMA tiles of heads
 TILE = 64  # cache rows per shared-memory tile (8 per warp of the attention kernel)
 SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may take on the H200
-CHUNK_MIN = 256  # default fewest positions per split (four tiles)
+CHUNK_MIN = 256  # default fewest positions per split from batch 16 (four tiles; one tile up to batch 8)
 WAVES = 4  # the default split count gives at least this many whole waves of attention CTAs at full context
 
 
@@ -55,17 +56,42 @@ def _position(c: dict, length) -> int:
     return max(0, min(int(length), c["LMAX"] - 1))
 
 
-def default_splits(bucket: int, lmax: int, chunk_min: int = CHUNK_MIN) -> int:
+def combine_split(bucket: int, heads: int, v: int) -> int:
+    """CTAs per (head, row group) of the combine kernel, each a share of the head's V outputs: 4, 2 or 1 (at most
+    v / 32: a whole group of outputs per warp), the most that keep its grid within two CTAs per SM.
+
+    Measured on the H200 (2026-12-02, K3 TP8 shard, 12 heads): four CTAs per head took the combine kernel's
+    exposed time in the MLA layer from 6.7 to 3.8 us at batch 1 and 8.5 to 5.3 at batch 8, but from 11.3 to
+    20.3 us at batch 64 (1,536 CTAs each merging the head's partials again)."""
+    ctas = heads * -(-bucket // min(bucket, 2))  # grid H x M / RB, RB = min(M, 2)
+    s = min(4, v // 32)
+    while s > 1 and ctas * s > 2 * SMS:
+        s //= 2
+    return s
+
+
+def default_chunk_min(bucket: int) -> int:
+    """Fewest positions per split: one tile up to batch 8, CHUNK_MIN (four tiles) from batch 16.
+
+    A short row at a small batch is otherwise a few CTAs streaming tile after tile (batch 1 at context 1k: 5
+    CTAs of 4 tiles each); with one tile per split it is 17 CTAs of one. From batch 16 the rows fill the GPU
+    anyway and fewer, longer splits write and merge fewer partials."""
+    return TILE if bucket <= 8 else CHUNK_MIN
+
+
+def default_splits(bucket: int, lmax: int, chunk_min: int | None = None) -> int:
     """Most splits per row: at least WAVES waves of attention CTAs (``attention_smem`` leaves room for one per
-    SM) and a whole number of them (the fewest splits with bucket x splits a multiple of SMS), never more than
-    the context can feed with chunk_min positions each.
+    SM; one wave at batch 1) and a whole number of them (the fewest splits with bucket x splits a multiple of
+    SMS), never more than the context can feed with chunk_min positions each (``default_chunk_min``).
 
     Measured on the H200 (2026-11-30): ceil(3 x 132 / bucket) splits left a fourth wave a few CTAs long at
     batch 8 (400 CTAs: 3.03 waves), a whole CTA time for almost nothing; one wave (132 // bucket splits) streamed
     equal-length rows with no tail, but rows of different lengths then wait for the longest row's splits (batch
-    8 at random lengths: 118 against 73 us). Several whole waves of smaller CTAs serve both."""
+    8 at random lengths: 118 against 73 us). Several whole waves of smaller CTAs serve both. A single row has no
+    other rows to wait for: one wave, so that a full context is not 4 x 132 one-tile partials to merge."""
+    chunk_min = default_chunk_min(bucket) if chunk_min is None else chunk_min
     most = math.ceil(lmax / chunk_min)
-    s = math.ceil(WAVES * SMS / bucket)
+    s = math.ceil((1 if bucket == 1 else WAVES) * SMS / bucket)
     while (bucket * s) % SMS:
         s += 1
     return max(1, min(most, s))
@@ -80,7 +106,7 @@ class MlaDecode(Template):
            "W_uv and the output gate")
 
     def constants(self, *, bucket: int, heads: int, nope: int, rope: int, v: int, kv_lora: int, lmax: int,
-                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int = CHUNK_MIN) -> list:
+                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int | None = None) -> list:
         p = "mla_decode"
         need(bucket in BUCKETS, f"{p}: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
         need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
@@ -103,6 +129,8 @@ class MlaDecode(Template):
              f"offsets; use a smaller bucket or lmax (64-bit cache addressing is not implemented)")
         need(kv_eps > 0, f"{p}: kv_eps={kv_eps} must be > 0 (the kv_a_layernorm eps, 1e-6 in HF)")
         need(scale > 0, f"{p}: scale={scale} must be > 0 ((nope + rope) ** -0.5 for K3)")
+        if chunk_min is None:
+            chunk_min = default_chunk_min(bucket)
         need(isinstance(chunk_min, int) and chunk_min >= 1,
              f"{p}: chunk_min={chunk_min} must be a positive number of positions per split")
         if splits is None:
@@ -126,7 +154,9 @@ class MlaDecode(Template):
                 const("SCALE", float(scale), "softmax scale ((nope + rope) ** -0.5)"),
                 const("NSPLIT", splits, "most context splits per row (grid.x of the attention kernel)"),
                 const("CHUNK_MIN", chunk_min, "fewest positions per split (short rows use fewer splits)"),
-                const("TILE", TILE, "cache rows per shared-memory tile (8 per warp)")]
+                const("TILE", TILE, "cache rows per shared-memory tile (8 per warp)"),
+                const("COMBINE_SPLIT", combine_split(bucket, heads, v),
+                      "combine kernel: CTAs per (head, row group), each V / COMBINE_SPLIT outputs")]
 
     def examples(self):
         ex = {}

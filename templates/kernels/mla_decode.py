@@ -12,14 +12,16 @@ local head h:
   rows come from the cache, softmax, ``ol = sum_p prob_p c_p`` ([C]), ``o[h] = ol @ W_uv[h]^T`` ([V]),
   ``out = bf16(o * sigmoid(gate))``.
 
-Kernel 1 (``absorb_kernel``, grid (H, M), 256 threads): the absorbed query of one (head, row),
-``ql = q_nope @ W_uk`` summed in fp32 (the 256 threads split NOPE into DGROUPS interleaved parts and C into
-8-element chunks; the parts meet in shared memory, summed in part order) and rounded once to bf16 into the
-scratch ``ws_q`` [M, H, C]: computed once per (row, head) instead of in every context split. The head-0 CTA of
-a row also builds the latent row and writes it to ``latent`` and to the cache row at position lengths[m]
-(clamped as the attention kernel clamps it), after its own PDL wait like every other access but weights. No
-race with the attention kernel: it reads only cache positions below lengths[m] (the current token's row it takes
-from ``latent``), and nothing before its PDL wait, which returns once this kernel's writes are visible.
+Kernel 1 (``absorb_kernel``, grid (H, M, ABS_SPLIT), 256 threads): the absorbed query of one (head, row), ``ql =
+q_nope @ W_uk``, a quarter of its C columns per CTA (four times the CTAs of one per head: at batch 1 each thread's
+chain of dependent weight loads is a quarter as long), summed in fp32 (the 256 threads split NOPE into DGROUPS
+interleaved parts and the CTA's columns into 8-element chunks; the parts meet in shared memory, summed in part
+order) and rounded once to bf16 into the scratch ``ws_q`` [M, H, C]: computed once per (row, head) instead of in
+every context split. The first CTA of head 0 of a row also builds the latent row and writes it to ``latent`` and to
+the cache row at position lengths[m] (clamped as the attention kernel clamps it), after its own PDL wait like every
+other access but weights. No race with the attention kernel: it reads only cache positions below lengths[m] (the
+current token's row it takes from ``latent``), and nothing before its PDL wait, which returns once this kernel's
+writes are visible.
 
 Kernel 2 (``kernel``, grid (NSPLIT, M), 8 warps): flash-decoding split over the context, on the tensor cores.
 Row m has n = lengths[m] + 1 valid positions (read on device); it uses ``nact = min(NSPLIT, ceil(n /
@@ -44,13 +46,15 @@ active CTA:
 Rows of shared memory are padded by 16 bytes, so the eight row addresses of an ``ldmatrix`` fall in
 different banks.
 
-Kernel 3 (``combine_kernel``, grid (H, M / RB), 8 warps): one head of RB rows (RB = min(M, 2)). The 8 / RB warps
-of a row merge its nact partials: lane s holds split s's (max, sum), warp reductions give the overall max and
-the rescaled sum, each warp sums its share of the partial ol rows with weights exp2(max_s - max) / sum (4
-splits' loads in flight), and the warps' sums meet in shared memory (added in warp order). Then o = ol @ W_uv[h]^T: each warp reads
-its W_uv rows once for all RB rows (one warp reduction per output and row), times the sigmoid gate. The absorb
-and combine kernels prefetch their head's W_uk / W_uv into L2 before their PDL wait (static weights), while the
-kernel before them still runs.
+Kernel 3 (``combine_kernel``, grid (H, M / RB, COMBINE_SPLIT), 8 warps): one head of RB rows (RB = min(M, 2)), V /
+COMBINE_SPLIT of its outputs (each CTA merges the head's partials itself, from L2, and reads only its own W_uv rows:
+at K3's V = 128 four CTAs per head at small batches, one from batch 32, ``combine_split``). The 8 / RB warps of a
+row merge its nact partials: lane s holds split s's (max, sum), warp reductions give the overall max and the
+rescaled sum, each warp sums its share of the partial ol rows with weights exp2(max_s - max) / sum (4 splits' loads
+in flight), and the warps' sums meet in shared memory (added in warp order). Then o = ol @ W_uv[h]^T for the CTA's
+outputs: each warp reads its W_uv rows once for all RB rows (one warp reduction per output and row), times the
+sigmoid gate. The absorb and combine kernels prefetch their own W_uk columns / W_uv rows into L2 before their PDL
+wait (static weights), while the kernel before them still runs.
 
 Precision: the scores and the weighted sum run on bf16 operands (``ql`` and P rounded to bf16, the cache is
 bf16) with fp32 accumulation, as FlashMLA-style decoders do; the softmax statistics, the partials and the
@@ -85,6 +89,7 @@ SCALE = 0.07216878364870322  # softmax scale ((nope + rope) ** -0.5)
 NSPLIT = 4  # most context splits per row (grid.x of the attention kernel)
 CHUNK_MIN = 256  # fewest positions per split (short rows use fewer splits)
 TILE = 64  # cache rows per shared-memory tile (8 per warp)
+COMBINE_SPLIT = 4  # combine kernel: CTAs per (head, row group), each V / COMBINE_SPLIT outputs
 # <<< constants
 
 VEC = 8  # bf16 elements per 16-byte copy
@@ -104,7 +109,9 @@ CPW = C // WARPS  # output columns per warp (PV)
 NPAIR = CPW // 16  # pairs of 8-column MMA tiles per warp (one ldmatrix.x4.trans each)
 KSTEPS_PV = TILE // 16  # k16 steps of P V over a tile
 ABS_THREADS = 256  # absorb kernel
-CCHUNKS = C // VEC  # 8-element chunks of ql (one per thread of a part)
+ABS_SPLIT = 4  # absorb kernel: CTAs per (head, row), each a quarter of ql's columns (short serial load chains)
+CPC = C // ABS_SPLIT  # columns of ql per absorb CTA
+CCHUNKS = CPC // VEC  # 8-element chunks of an absorb CTA's columns (one per thread of a part)
 DGROUPS = ABS_THREADS // CCHUNKS  # parts of the NOPE reduction
 NORM_THREADS = C // VEC  # threads holding the C part of the latent row (whole warps)
 NORM_WARPS = NORM_THREADS // 32
@@ -114,11 +121,12 @@ COMBINE_WARPS = 8  # combine kernel: WPR warps merge each row, then warp w takes
 WPR = COMBINE_WARPS // RB  # combine kernel: warps per row in the merge (they split the row's splits)
 COMBINE_THREADS = 32 * COMBINE_WARPS
 OCH = C // 128  # combine kernel: 4-element chunks of ol per lane
-OG = min(32, V // COMBINE_WARPS)  # combine kernel: outputs per group (one per lane), at least a group per warp
-VGROUPS = V // OG
+VPC = V // COMBINE_SPLIT  # combine kernel: outputs per CTA
+OG = min(32, VPC // COMBINE_WARPS)  # combine kernel: outputs per group (one per lane), at least a group per warp
+VGROUPS = VPC // OG
 CCH = C // (VEC * 32)  # combine kernel: 8-element chunks of C per lane
-WUV_LINES = V * C * 2 // 128  # 128-byte lines of one head's W_uv (prefetched into L2)
-WUK_LINES = NOPE * C * 2 // 128  # ... and of its W_uk
+WUV_LINES = VPC * C * 2 // 128  # 128-byte lines of a combine CTA's W_uv rows (prefetched into L2)
+WUK_LINES = NOPE * CPC * 2 // 128  # ... and of an absorb CTA's W_uk columns
 SCALE_LOG2 = SCALE * 1.4426950408889634  # scores in log2 units: softmax via exp2
 NEG = -1.0e30  # finite "minus infinity" for running maxima (exp2(NEG - x) == 0, no inf - inf)
 
@@ -158,13 +166,13 @@ class Kernel:
                  mCache: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
                  mLatent: cute.Tensor, mWsQ: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor, stream):
         self.absorb_kernel(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsQ).launch(
-            grid=(H, M, 1), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
+            grid=(H, M, ABS_SPLIT), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
         self.kernel(cute.recast_tensor(mQ, Uint32), cute.recast_tensor(mCache, Uint32), mLengths,
                     cute.recast_tensor(mLatent, Uint32), cute.recast_tensor(mWsQ, Uint32), mWsOl, mWsMl).launch(
             grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
         self.combine_kernel(mGate, mLengths, mKvB, mOut, mWsOl, mWsMl).launch(
-            grid=(H, M // RB, 1), block=(COMBINE_THREADS, 1, 1), stream=stream, use_pdl=True)
+            grid=(H, M // RB, COMBINE_SPLIT), block=(COMBINE_THREADS, 1, 1), stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------------------------ helpers
     @cute.jit
@@ -191,20 +199,22 @@ class Kernel:
         warp = cute.arch.warp_idx()
         head = cute.arch.block_idx()[0]
         row = cute.arch.block_idx()[1]
+        cs = cute.arch.block_idx()[2]  # this CTA's columns of ql: chunks cs * CCHUNKS ...
         smem = cutlass.utils.SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((DGROUPS, C), stride=(C, 1)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((DGROUPS, CPC), stride=(CPC, 1)), 16)
         sNorm = smem.allocate_tensor(Float32, cute.make_layout((NORM_WARPS,)), 16)
         rW = cute.make_rmem_tensor((VEC,), BFloat16)
         rX = cute.make_rmem_tensor((VEC,), BFloat16)
         rY = cute.make_rmem_tensor((VEC,), BFloat16)
         rAcc = cute.make_rmem_tensor((VEC,), Float32)
-        # W_uk of this head into L2 while the previous kernel runs (a static weight: before the PDL wait)
+        # this CTA's W_uk columns into L2 while the previous kernel runs (a static weight: before the PDL wait)
         for k in cutlass.range_constexpr((WUK_LINES + ABS_THREADS - 1) // ABS_THREADS):
             li = tid + k * ABS_THREADS
             if li < WUK_LINES:
-                d = li // (C // 64)
-                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + d, None], (64,), (li - d * (C // 64),)
-                                                   ).iterator.llvm_ptr, cache_level="L2")
+                d = li // (CPC // 64)
+                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + d, None], (64,),
+                                                   (cs * (CPC // 64) + li - d * (CPC // 64),)).iterator.llvm_ptr,
+                                   cache_level="L2")
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
@@ -215,11 +225,11 @@ class Kernel:
         if tid < DGROUPS * CCHUNKS:
             for d in cutlass.range(dg, NOPE, DGROUPS, unroll=8):
                 qd = Float32(mQ[row, head * QH + d])
-                cute.autovec_copy(cute.local_tile(mKvB[head * KVH + d, None], (VEC,), (cc,)), rW)
+                cute.autovec_copy(cute.local_tile(mKvB[head * KVH + d, None], (VEC,), (cs * CCHUNKS + cc,)), rW)
                 rAcc.store(rAcc.load() + rW.load().to(Float32) * qd)
             cute.autovec_copy(rAcc, cute.local_tile(sPart[dg, None], (VEC,), (cc,)))
 
-        if head == 0:  # the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:], to latent and the cache
+        if head + cs == 0:  # the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:], to latent and the cache
             gRow = mCache[row, self.length_of(mLengths, row), None]  # its cache row (never read by kernel 2)
             ss = Float32(0.0)
             if tid < NORM_THREADS:
@@ -251,7 +261,7 @@ class Kernel:
             for gp in cutlass.range_constexpr(DGROUPS):
                 rAcc.store(rAcc.load() + cute.local_tile(sPart[gp, None], (VEC,), (tid,)).load())
             rY.store(rAcc.load().to(BFloat16))
-            cute.autovec_copy(rY, cute.local_tile(mWsQ[row, head, None], (VEC,), (tid,)))
+            cute.autovec_copy(rY, cute.local_tile(mWsQ[row, head, None], (VEC,), (cs * CCHUNKS + tid,)))
 
     # ------------------------------------------------------------------ kernel 2: split attention
     @cute.jit
@@ -439,6 +449,7 @@ class Kernel:
         tid = cute.arch.thread_idx()[0]
         head = cute.arch.block_idx()[0]
         row0 = cute.arch.block_idx()[1] * RB
+        v0 = cute.arch.block_idx()[2] * VPC  # this CTA's outputs: v0 .. v0 + VPC - 1 of the head
         smem = cutlass.utils.SmemAllocator()
         sOl = smem.allocate_tensor(Float32, cute.make_layout((RB, C), stride=(C, 1)), 16)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((COMBINE_WARPS, C), stride=(C, 1)), 16)
@@ -446,12 +457,12 @@ class Kernel:
         rAcc = cute.make_rmem_tensor((4 * OCH,), Float32)
         rOlc = cute.make_rmem_tensor((VEC,), Float32)
         rWv = cute.make_rmem_tensor((VEC, CCH), BFloat16)
-        # W_uv of this head into L2 while the attention kernel runs (a static weight: before the PDL wait)
+        # this CTA's W_uv rows into L2 while the attention kernel runs (a static weight: before the PDL wait)
         for k in cutlass.range_constexpr((WUV_LINES + COMBINE_THREADS - 1) // COMBINE_THREADS):
             li = tid + k * COMBINE_THREADS
             if li < WUV_LINES:
                 vr = li // (C // 64)
-                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + NOPE + vr, None], (64,), (li - vr * (C // 64),)
+                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + NOPE + v0 + vr, None], (64,), (li - vr * (C // 64),)
                                                    ).iterator.llvm_ptr, cache_level="L2")
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
@@ -498,7 +509,7 @@ class Kernel:
             mine = cute.make_rmem_tensor((RB,), Float32)
             mine.fill(0.0)
             for jj in cutlass.range(OG, unroll=4):
-                vrow = head * KVH + NOPE + gi * OG + jj
+                vrow = head * KVH + NOPE + v0 + gi * OG + jj
                 for k in cutlass.range_constexpr(CCH):
                     cute.autovec_copy(cute.local_tile(mKvB[vrow, None], (VEC,), (k * 32 + lane,)), rWv[None, k])
                 for r in cutlass.range_constexpr(RB):
@@ -510,7 +521,7 @@ class Kernel:
                     o = cute.arch.warp_reduction(part, operator.add)
                     mine[r] = cutlass.select_(lane == jj, o, mine[r])
             if lane < OG:
-                col = head * V + gi * OG + lane
+                col = head * V + v0 + gi * OG + lane
                 for r in cutlass.range_constexpr(RB):
                     gate = Float32(mGate[row0 + r, col])
                     mOut[row0 + r, col] = (mine[r] / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))).to(

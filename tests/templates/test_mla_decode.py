@@ -284,13 +284,28 @@ def test_splits_shorter_and_longer_than_a_tile():
 
 
 def test_default_splits():
-    assert T.point(**EXAMPLES["k3tp8_b1"]).c["NSPLIT"] == 128  # 32768 / 256 positions
+    c1 = T.point(**EXAMPLES["k3tp8_b1"]).c
+    assert c1["NSPLIT"] == 132 and c1["CHUNK_MIN"] == 64  # one row: one wave; 17 one-tile splits at context 1k
+    assert T.point(**EXAMPLES["k3tp8_b8"]).c["CHUNK_MIN"] == 64
+    assert T.point(**EXAMPLES["k3tp8_b64"]).c["CHUNK_MIN"] == 256
     assert T.point(**EXAMPLES["k3tp8_b8"]).c["NSPLIT"] == 66  # 528 CTAs: 4 whole waves of 132
     assert T.point(**EXAMPLES["k3tp8_b64"]).c["NSPLIT"] == 33  # 2112 CTAs: 16 whole waves
     for b in (8, 16, 32, 64):  # whole waves of at least 4 at full context
         s = T.point(**{**EXAMPLES["k3tp8_b8"], "bucket": b, "lmax": 32768}).c["NSPLIT"]
         assert (b * s) % 132 == 0 and b * s >= 4 * 132 and (b * (s - 1) < 4 * 132 or (b * (s - 1)) % 132), (b, s)
-    assert T.point(**{**EXAMPLES["mini_b1"], "lmax": 100}).c["NSPLIT"] == 1
+    assert T.point(**{**EXAMPLES["mini_b1"], "lmax": 100}).c["NSPLIT"] == 2  # 100 positions, 64 per split
+    assert T.point(**{**EXAMPLES["mini_b1"], "lmax": 100, "chunk_min": 256}).c["NSPLIT"] == 1
+
+
+def test_combine_split_keeps_the_grid_within_two_ctas_per_sm():
+    """The combine kernel's CTAs per (head, row group): 4 at small batches (K3's V = 128), fewer once the
+    grid H x M / RB would pass 2 x 132 CTAs; at most V / 32 (a whole group of outputs per warp)."""
+    got = {b: T.point(**{**EXAMPLES["k3tp8_b8"], "bucket": b}).c["COMBINE_SPLIT"] for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert got == {1: 4, 2: 4, 4: 4, 8: 4, 16: 2, 32: 1, 64: 1}
+    for b, split in got.items():
+        assert 12 * -(-b // min(b, 2)) * split <= 2 * 132 or split == 1
+    assert T.point(**{**EXAMPLES["mini_h1_b1"], "v": 32}).c["COMBINE_SPLIT"] == 1
+    assert T.point(**{**EXAMPLES["mini_h1_b1"], "v": 64}).c["COMBINE_SPLIT"] == 2
 
 
 def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
