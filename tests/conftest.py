@@ -74,20 +74,19 @@ def mini_model(model_bf16):
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Every test starts and ends with Dynamo's caches and counters cleared (recompile counts are asserted)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()  # reset() keeps them
     yield
     torch._dynamo.reset()
+    counters.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
-    """Kernel compiles share one disk cache within a test run (fresh per run, so CI really compiles), across
-    the run's pytest-xdist workers too (their base temp dirs share a parent; the cache publishes entries
-    atomically); set K3COMPILE_CACHE yourself to keep one across runs."""
+    """Kernel compiles share one disk cache within a test run (fresh per run, so CI really compiles);
+    set K3COMPILE_CACHE yourself to keep one across runs."""
     if "K3COMPILE_CACHE" not in os.environ:
-        root = tmp_path_factory.getbasetemp()
-        if os.environ.get("PYTEST_XDIST_WORKER"):
-            root = root.parent
-        (root / "k3compile_cache").mkdir(exist_ok=True)
-        os.environ["K3COMPILE_CACHE"] = str(root / "k3compile_cache")
+        os.environ["K3COMPILE_CACHE"] = str(tmp_path_factory.mktemp("k3compile_cache"))
     yield
