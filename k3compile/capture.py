@@ -12,6 +12,7 @@ decompositions. Weights and the decode state become graph inputs; every in-place
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import traceback
@@ -187,13 +188,33 @@ def tp_world(tp_size: int):
         dist.destroy_process_group()
 
 
+_CAPTURES: collections.OrderedDict = collections.OrderedDict()  # capture_config's memo, most recent last
+_CAPTURES_KEPT = 8
+
+
 def capture_config(config, *, tp_size: int = 1, tp_rank: int = 0, example_batch: int = 2,
                    max_context: int = 16) -> Captured:
     """Capture the decode step of ``config`` at TP ``tp_size`` with weights on the meta device.
 
     ``max_context`` is the MLA latent cache capacity of the state the graph is captured with (static, like
-    every state dimension): kernels generated from the graph serve sequences up to that length."""
+    every state dimension): kernels generated from the graph serve sequences up to that length.
+
+    A capture costs a Dynamo trace (~20 s for k3-mini); the last few are kept per process and shared, which is
+    safe because nothing changes a captured graph (``lower`` works on a copy). Not kept under a real process
+    group: the graph's collectives name that group."""
+    import torch.distributed as dist
+
     config.check_tp(tp_size)
+    key = (config, tp_size, tp_rank, example_batch, max_context)
+    keep = tp_size == 1 or not (dist.is_available() and dist.is_initialized())
+    if keep and key in _CAPTURES:
+        _CAPTURES.move_to_end(key)
+        return _CAPTURES[key]
     model = K3Model(config, device="meta", tp_rank=tp_rank, tp_size=tp_size)
     with tp_world(tp_size):
-        return capture(model, example_batch=example_batch, max_context=max_context)
+        cap = capture(model, example_batch=example_batch, max_context=max_context)
+    if keep:
+        _CAPTURES[key] = cap
+        while len(_CAPTURES) > _CAPTURES_KEPT:
+            _CAPTURES.popitem(last=False)
+    return cap

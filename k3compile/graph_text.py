@@ -16,9 +16,22 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64", t
            torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.bool: "b8"}
 
 
+_SYM_TEXT: dict = {}  # sympy expression -> its text (printing one costs ~25 us; graphs repeat a few sizes)
+
+
+def _size_str(s) -> str:
+    if not isinstance(s, torch.SymInt):
+        return str(s)
+    expr = s.node.expr
+    text = _SYM_TEXT.get(expr)
+    if text is None:
+        text = _SYM_TEXT[expr] = str(s)
+    return text
+
+
 def _val_str(v) -> str:
     if isinstance(v, torch.Tensor):
-        return f"{_DTYPES.get(v.dtype, str(v.dtype))}[{', '.join(str(s) for s in v.shape)}]"
+        return f"{_DTYPES.get(v.dtype, str(v.dtype))}[{', '.join(_size_str(s) for s in v.shape)}]"
     if isinstance(v, (tuple, list)):
         return "(" + ", ".join(_val_str(x) for x in v) + ")"
     return str(v) if v is not None else ""

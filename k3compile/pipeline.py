@@ -162,14 +162,20 @@ class K3Pass:
     def fail(self, when: str, what: str) -> PassConditionError:
         return PassConditionError(f"pass '{self.name}' {when} violated: {what}")
 
-    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext, index: int) -> PassRecord:
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext, index: int,
+                 before: tuple[str, list[str]] | None = None, recompile: bool = True) -> PassRecord:
+        """Apply the pass to ``gm`` and record it. ``before``: the text and provenance of ``gm`` as it is now,
+        when the caller has them (the previous pass's ``after``), else printed here. ``recompile=False`` leaves
+        ``gm``'s Python code stale (a pipeline regenerates it once, after its last pass: ~75 ms each)."""
         rec = PassRecord(index=index, name=self.name, stage=self.stage.name, uuid=self.uuid(), bucket=ctx.bucket,
                          applied=False)
         ok, why = self.applies_to(ctx.bucket)
-        lines = graph_lines(gm)
-        before = "".join(line + "\n" for line, _ in lines)
+        if before is None:
+            lines = graph_lines(gm)
+            before = ("".join(line + "\n" for line, _ in lines), [p for _, p in lines])
+        before, rec.before_provenance = before
         rec.before = rec.after = before
-        rec.before_provenance = rec.after_provenance = [p for _, p in lines]
+        rec.after_provenance = rec.before_provenance
         if not ok:
             rec.notes = why
             return rec
@@ -178,7 +184,8 @@ class K3Pass:
         t0 = time.perf_counter()
         result = self.apply(gm, ctx)
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
         rec.time_s = time.perf_counter() - t0
         self.ensures(gm, ctx)
         nodes_after = {id(n) for n in gm.graph.nodes}
@@ -207,16 +214,16 @@ class Pipeline:
     def cache_key(self) -> str:
         return hashlib.sha256("|".join(p.uuid() for p in self.passes).encode()).hexdigest()[:16]
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext, only: str | None = None) -> torch.fx.GraphModule:
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         """Run every pass in order (records on ``gm.meta['k3_records']``); dump diffs if ``ctx.dump_dir``."""
-        if only is not None and only not in {p.name for p in self.passes}:
-            raise KeyError(f"no pass named {only!r} in this pipeline; passes: {[p.name for p in self.passes]}")
         records: list[PassRecord] = gm.meta.setdefault("k3_records", [])
+        rec = None
         for i, p in enumerate(self.passes, start=1):
-            rec = p(gm, ctx, i)
+            rec = p(gm, ctx, i, before=(rec.after, rec.after_provenance) if rec else None, recompile=False)
             records.append(rec)
             if ctx.dump_dir:
                 write_dump(ctx.dump_dir, rec)
+        gm.recompile()
         return gm
 
 

@@ -171,7 +171,7 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, gate: torch.Tensor, cache:
     q_nope, q_pe = qh[..., :nope_dim], qh[..., nope_dim:]
     wkv = kv_b_weight.float().view(H, nope_dim + v_dim, C)
     w_uk, w_uv = wkv[:, :nope_dim], wkv[:, nope_dim:]
-    ql = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # absorbed query in latent space [B, H, C]
+    ql = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # absorbed query in latent space [B, H, C]
     Lmax = cache.shape[1]
     pos = torch.arange(Lmax, device=cache.device)
     # Keys/values: the cached rows, with the current token placed at its own position.
@@ -183,7 +183,7 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, gate: torch.Tensor, cache:
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
     ol = torch.matmul(p, c)  # [B, H, C]
-    o = torch.matmul(ol[..., None, :], w_uv.transpose(1, 2))[..., 0, :].reshape(B, H * v_dim)
+    o = torch.einsum("bhc,hvc->bhv", ol, w_uv).reshape(B, H * v_dim)
     return (o * torch.sigmoid(gate.float())).to(q.dtype)
 
 

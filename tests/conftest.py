@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import mini_codegen
 from cpu import one_thread
 
 
@@ -83,10 +86,31 @@ def _fresh_dynamo():
     counters.clear()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _kernel_cache(tmp_path_factory):
-    """Kernel compiles share one disk cache within a test run (fresh per run, so CI really compiles);
-    set K3COMPILE_CACHE yourself to keep one across runs."""
-    if "K3COMPILE_CACHE" not in os.environ:
-        os.environ["K3COMPILE_CACHE"] = str(tmp_path_factory.mktemp("k3compile_cache"))
-    yield
+_RUN_DIR: list = []  # this run's scratch directory (the kernel cache unless K3COMPILE_CACHE is set)
+
+
+def pytest_configure(config):
+    """Kernel compiles share one disk cache within a test run (fresh per run, so CI really compiles); set
+    K3COMPILE_CACHE yourself to keep one across runs."""
+    _RUN_DIR.append(Path(tempfile.mkdtemp(prefix="k3compile_tests.")))
+    os.environ.setdefault("K3COMPILE_CACHE", str(_RUN_DIR[0] / "cache"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that need the compiled k3-mini set run last: it compiles in the background meanwhile."""
+    items.sort(key=lambda item: mini_codegen.FIXTURE in getattr(item, "fixturenames", ()))  # stable
+
+
+def pytest_collection_finish(session):
+    """Start the k3-mini compile (tests/mini_codegen.py) if a selected test needs it: on every core but the one
+    the other tests use, or on all of them when nothing else was selected."""
+    need = [i for i in session.items if mini_codegen.FIXTURE in getattr(i, "fixturenames", ())]
+    if need and not session.config.option.collectonly:
+        cores = os.cpu_count() or 1
+        mini_codegen.start(_RUN_DIR[0] / "mini_codegen", cores if len(need) == len(session.items) else max(1, cores - 1))
+
+
+def pytest_unconfigure(config):
+    mini_codegen.stop()
+    if _RUN_DIR:
+        shutil.rmtree(_RUN_DIR.pop(), ignore_errors=True)
