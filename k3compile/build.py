@@ -61,11 +61,13 @@ class Job:
     arch: str
     package: bool
     ident: str = ""  # identity of the generated code (templates.base.Point.key); default: the source text
+    options: str = ""  # more cute.compile options, e.g. "remarks{ptx}" (the ptxas report, into compile.log)
 
     def key(self, vers: dict) -> str:
-        """Cache key: the code's identity (not its header comments), arguments, arch and tool versions."""
+        """Cache key: the code's identity (not its header comments), arguments, arch, tool versions, options."""
         h = hashlib.sha256((self.ident or self.source).encode())
-        h.update(json.dumps([self.args, self.arch, vers], sort_keys=True).encode())
+        h.update(json.dumps([self.args, self.arch, vers] + ([self.options] if self.options else []),
+                            sort_keys=True).encode())
         return h.hexdigest()
 
 
@@ -162,8 +164,8 @@ def _compile_in_worker(job: Job, out_dir: str) -> dict:
             fakes = [_fake(cutlass, cute_runtime, d, s, a) for (_, d, s, a) in job.args]
             stream = cute_runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
             try:  # --keep-* files land in --dump-dir (default: the directory cutlass was imported from)
-                compiled = cute.compile(mod.Kernel(), *fakes, stream,
-                                        options=f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {out}")
+                opts = f"--enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {out} {job.options}"
+                compiled = cute.compile(mod.Kernel(), *fakes, stream, options=opts)
                 ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
                 if job.package:
                     compiled.export_to_c(str(out / "kernel.o"), function_name=job.name)

@@ -171,20 +171,22 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, gate: torch.Tensor, cache:
     q_nope, q_pe = qh[..., :nope_dim], qh[..., nope_dim:]
     wkv = kv_b_weight.float().view(H, nope_dim + v_dim, C)
     w_uk, w_uv = wkv[:, :nope_dim], wkv[:, nope_dim:]
-    ql = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # absorbed query in latent space [B, H, C]
+    # bmm per head: a [B, H, 1, n] x [H, n, C] matmul would copy w_uk B times (and guards a traced batch)
+    ql = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # absorbed query in latent space [B, H, C]
     Lmax = cache.shape[1]
     pos = torch.arange(Lmax, device=cache.device)
     # Keys/values: the cached rows, with the current token placed at its own position.
     is_cur = pos[None, :] == lengths[:, None]  # [B, Lmax]
     kv = torch.where(is_cur[..., None], latent[:, None, :].to(cache.dtype), cache).float()
     c, k_pe = kv[..., :C], kv[..., C:]
-    s = (torch.matmul(ql, c.transpose(1, 2)) + torch.matmul(q_pe, k_pe.transpose(1, 2))) * scale  # [B, H, Lmax]
+    s = (torch.bmm(ql, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))) * scale  # [B, H, Lmax]
     valid = pos[None, :] <= lengths[:, None]
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    ol = torch.matmul(p, c)  # [B, H, C]
-    o = torch.einsum("bhc,hvc->bhv", ol, w_uv).reshape(B, H * v_dim)
-    return (o * torch.sigmoid(gate.float())).to(q.dtype)
+    ol = torch.bmm(p, c)  # [B, H, C]
+    o = torch.bmm(ol.transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, v]
+    y = o * torch.sigmoid(gate.float().view(B, H, v_dim).transpose(0, 1))
+    return torch.cat(y.to(q.dtype).unbind(0), dim=-1)  # [B, H*v], heads in order (no reshape of a transpose)
 
 
 def lm_head(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

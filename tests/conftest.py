@@ -107,7 +107,8 @@ def pytest_collection_finish(session):
     need = [i for i in session.items if mini_codegen.FIXTURE in getattr(i, "fixturenames", ())]
     if need and not session.config.option.collectonly:
         cores = os.cpu_count() or 1
-        mini_codegen.start(_RUN_DIR[0] / "mini_codegen", cores if len(need) == len(session.items) else max(1, cores - 1))
+        workers = cores if len(need) == len(session.items) else max(1, cores - 1)
+        mini_codegen.start(_RUN_DIR[0] / "mini_codegen", workers)
 
 
 def pytest_unconfigure(config):
