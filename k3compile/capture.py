@@ -199,7 +199,7 @@ def capture_config(config, *, tp_size: int = 1, tp_rank: int = 0, example_batch:
     ``max_context`` is the MLA latent cache capacity of the state the graph is captured with (static, like
     every state dimension): kernels generated from the graph serve sequences up to that length.
 
-    A capture costs a Dynamo trace (~20 s for k3-mini); the last few are kept per process and shared, which is
+    A capture costs a Dynamo trace (10-20 s for k3-mini); the last few are kept per process and shared, which is
     safe because nothing changes a captured graph (``lower`` works on a copy). Not kept under a real process
     group: the graph's collectives name that group."""
     import torch.distributed as dist
