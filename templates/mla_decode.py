@@ -12,9 +12,9 @@ This template is **three kernels** launched back to back by one ``Kernel.__call_
 4: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, a quarter of its columns per CTA, rounded to bf16
 into the scratch ``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the
 tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
-per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid H x M / RB x
-COMBINE_SPLIT: two rows per CTA from batch 2, a share of the head's outputs per CTA at small batches) that merges
-the partials and applies W_uv and the sigmoid output gate.
+per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x
+M / RB: two rows per CTA from batch 2; at small batches a cluster of CTAs per head, each merging a share of the
+partials' columns) that merges the partials and applies W_uv and the sigmoid output gate.
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
 ``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
@@ -56,15 +56,18 @@ def _position(c: dict, length) -> int:
     return max(0, min(int(length), c["LMAX"] - 1))
 
 
-def combine_split(bucket: int, heads: int, v: int) -> int:
-    """CTAs per (head, row group) of the combine kernel, each a share of the head's V outputs: 4, 2 or 1 (at most
-    v / 32: a whole group of outputs per warp), the most that keep its grid within two CTAs per SM.
+def combine_split(bucket: int, heads: int, v: int, kv_lora: int = 512) -> int:
+    """CTAs per (head, row group) of the combine kernel, a thread-block cluster, each merging C / split columns of
+    the partials (at least 128: a 4-element chunk per lane) and adding its part of o = ol @ W_uv^T for every output,
+    the parts then added over the cluster: 4, 2 or 1 (at most v / 32), the most that keep its grid within two CTAs
+    per SM.
 
-    Measured on the H200 (2026-12-02, K3 TP8 shard, 12 heads): four CTAs per head took the combine kernel's
-    exposed time in the MLA layer from 6.7 to 3.8 us at batch 1 and 8.5 to 5.3 at batch 8, but from 11.3 to
-    20.3 us at batch 64 (1,536 CTAs each merging the head's partials again)."""
+    Measured on the H200 (2026-12-02, K3 TP8 shard, 12 heads), when each CTA merged all C columns for a share of
+    the outputs: four CTAs per head took the combine kernel's exposed time in the MLA layer from 6.7 to 3.8 us at
+    batch 1 and 8.5 to 5.3 at batch 8, but from 11.3 to 20.3 us at batch 64 (1,536 CTAs each merging the head's
+    partials again)."""
     ctas = heads * -(-bucket // min(bucket, 2))  # grid H x M / RB, RB = min(M, 2)
-    s = min(4, v // 32)
+    s = min(4, v // 32, kv_lora // 128)
     while s > 1 and ctas * s > 2 * SMS:
         s //= 2
     return s
@@ -106,7 +109,8 @@ class MlaDecode(Template):
            "W_uv and the output gate")
 
     def constants(self, *, bucket: int, heads: int, nope: int, rope: int, v: int, kv_lora: int, lmax: int,
-                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int | None = None) -> list:
+                  kv_eps: float, scale: float, splits: int | None = None, chunk_min: int | None = None,
+                  combine: int | None = None, combine_rows: int | None = None) -> list:
         p = "mla_decode"
         need(bucket in BUCKETS, f"{p}: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
         need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
@@ -120,8 +124,9 @@ class MlaDecode(Template):
              f"vector load); K3 uses 64")
         need(isinstance(nope, int) and nope > 0 and nope % 8 == 0,
              f"{p}: nope={nope} must be a positive multiple of 8 (16-byte aligned q_pe copies); K3 uses 128")
-        need(isinstance(v, int) and v > 0 and v % 32 == 0,
-             f"{p}: v={v} must be a positive multiple of 32 (one output per lane); K3 uses 128")
+        need(isinstance(v, int) and 0 < v <= 256 and v % 32 == 0,
+             f"{p}: v={v} must be a multiple of 32 up to 256 (the combine kernel's 256 threads each own an output "
+             f"of a column group); K3 uses 128")
         need(isinstance(lmax, int) and lmax >= 1, f"{p}: lmax={lmax} must be >= 1 (cache positions per row)")
         row = kv_lora + rope
         need(bucket * lmax * row < 2 ** 31,
@@ -136,8 +141,17 @@ class MlaDecode(Template):
         if splits is None:
             splits = default_splits(bucket, lmax, chunk_min)
         need(isinstance(splits, int) and 1 <= splits <= 4096,
-             f"{p}: splits={splits} must be in 1..4096 (the combine kernel keeps one weight per split in shared "
-             f"memory); raise chunk_min instead")
+             f"{p}: splits={splits} must be in 1..4096 (context splits per row); raise chunk_min instead")
+        if combine is None:
+            combine = combine_split(bucket, heads, v, kv_lora)
+        need(combine in (1, 2, 4) and kv_lora % (128 * combine) == 0 and v % combine == 0,
+             f"{p}: combine={combine} must be 1, 2 or 4 CTAs per head, each at least 128 of the kv_lora={kv_lora} "
+             f"columns and a whole share of the v={v} outputs (or None: chosen by the bucket)")
+        if combine_rows is None:
+            combine_rows = min(bucket, 2)
+        need(combine_rows in (1, 2) and bucket % combine_rows == 0,
+             f"{p}: combine_rows={combine_rows} must be 1 or 2 and divide the bucket {bucket} (or None: min(bucket, "
+             f"2))")
         smem = attention_smem(heads, row)
         need(smem <= SMEM_BUDGET,
              f"{p}: the attention kernel needs {smem} bytes of shared memory for {heads} heads and {row}-wide "
@@ -155,8 +169,9 @@ class MlaDecode(Template):
                 const("NSPLIT", splits, "most context splits per row (grid.x of the attention kernel)"),
                 const("CHUNK_MIN", chunk_min, "fewest positions per split (short rows use fewer splits)"),
                 const("TILE", TILE, "cache rows per shared-memory tile (8 per warp)"),
-                const("COMBINE_SPLIT", combine_split(bucket, heads, v),
-                      "combine kernel: CTAs per (head, row group), each V / COMBINE_SPLIT outputs")]
+                const("COMBINE_SPLIT", combine, "combine kernel: CTAs of a cluster per (head, row group), each "
+                                                "C / COMBINE_SPLIT columns of ol"),
+                const("RB", combine_rows, "combine kernel: rows per CTA (W_uv read once for them)")]
 
     def examples(self):
         ex = {}
@@ -167,6 +182,8 @@ class MlaDecode(Template):
             ex[f"k3tp8_b{b}"] = dict(bucket=b, heads=12, lmax=lmax, **common)
         ex["mini_h2_b4"] = dict(bucket=4, heads=2, lmax=4096, **common)  # the trained k3-mini (2 heads): 64 threads
         ex["mini_h1_b1"] = dict(bucket=1, heads=1, lmax=4096, **common)  # the trained k3-mini at TP 2
+        # a two-CTA cluster and one row per combine CTA at a batch of several rows (codegen --batch-invariant's kind)
+        ex["mini_b4_c2r1"] = dict(bucket=4, heads=8, lmax=4096, combine=2, combine_rows=1, **common)
         return ex
 
     def args(self, c):

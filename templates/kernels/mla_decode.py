@@ -46,15 +46,26 @@ active CTA:
 Rows of shared memory are padded by 16 bytes, so the eight row addresses of an ``ldmatrix`` fall in
 different banks.
 
-Kernel 3 (``combine_kernel``, grid (H, M / RB, COMBINE_SPLIT), 8 warps): one head of RB rows (RB = min(M, 2)), V /
-COMBINE_SPLIT of its outputs (each CTA merges the head's partials itself, from L2, and reads only its own W_uv rows:
-at K3's V = 128 four CTAs per head at small batches, one from batch 32, ``combine_split``). The 8 / RB warps of a
-row merge its nact partials: lane s holds split s's (max, sum), warp reductions give the overall max and the
-rescaled sum, each warp sums its share of the partial ol rows with weights exp2(max_s - max) / sum (4 splits' loads
-in flight), and the warps' sums meet in shared memory (added in warp order). Then o = ol @ W_uv[h]^T for the CTA's
-outputs: each warp reads its W_uv rows once for all RB rows (one warp reduction per output and row), times the
-sigmoid gate. The absorb and combine kernels prefetch their own W_uk columns / W_uv rows into L2 before their PDL
-wait (static weights), while the kernel before them still runs.
+Kernel 3 (``combine_kernel``, grid (COMBINE_SPLIT, H, M / RB), 8 warps): one head of RB rows (RB = min(M, 2)
+unless the point fixes it), the COMBINE_SPLIT CTAs of a thread-block cluster each merging CS = C / COMBINE_SPLIT
+columns of the partials (at K3's C = 512 four CTAs per head at small batches, one from batch 32,
+``combine_split``): the bytes of the partials are split over the cluster, not read again by every CTA.
+  1. Statistics: every warp of a row loads the (max, sum) of its nact splits, SPL per lane at once (lane l: splits
+     l, l + 32, ...), keeps a running max and a rescaled sum, and a butterfly merges the lanes (both lanes of a pair
+     add the same two terms, so every lane ends with the same values).
+  2. Merge: the 8 / RB warps of the row take its splits kw, kw + 8 / RB, ... (MERGE_UNROLL splits' loads in flight:
+     the max and OCH 16-byte chunks of the CTA's columns per lane), weights exp2(max_s - max) / sum; the warps'
+     sums meet in shared memory, added in warp order.
+  3. The CTA's part of o = ol @ W_uv[h]^T over its CS columns, for every output and row: thread t takes output
+     t % V over a group of columns (fp32 FMAs, no warp reductions; the merged ol is a shared-memory broadcast), the
+     groups added in order. W_uv's CS columns were copied into shared memory (cp.async) before the PDL wait, while
+     the attention kernel ran (STAGE_WUV: four CTAs per head at K3), else pulled into L2.
+  4. A cluster barrier (release / acquire), then CTA r adds the cluster's parts of outputs r V / COMBINE_SPLIT ..
+     in rank order (distributed shared memory loads) and applies the sigmoid gate; a second barrier keeps every
+     CTA's parts alive until its peers have read them.
+The order of every sum depends on the row's lengths, RB and COMBINE_SPLIT, never on the other rows' values;
+``codegen --batch-invariant`` fixes RB and COMBINE_SPLIT to bucket 1's. The absorb and combine kernels prefetch their
+own W_uk / W_uv columns into L2 before their PDL wait (static weights), while the kernel before them still runs.
 
 Precision: the scores and the weighted sum run on bf16 operands (``ql`` and P rounded to bf16, the cache is
 bf16) with fp32 accumulation, as FlashMLA-style decoders do; the softmax statistics, the partials and the
@@ -89,7 +100,8 @@ SCALE = 0.07216878364870322  # softmax scale ((nope + rope) ** -0.5)
 NSPLIT = 4  # most context splits per row (grid.x of the attention kernel)
 CHUNK_MIN = 256  # fewest positions per split (short rows use fewer splits)
 TILE = 64  # cache rows per shared-memory tile (8 per warp)
-COMBINE_SPLIT = 4  # combine kernel: CTAs per (head, row group), each V / COMBINE_SPLIT outputs
+COMBINE_SPLIT = 4  # combine kernel: CTAs of a cluster per (head, row group), each C / COMBINE_SPLIT columns of ol
+RB = 2  # combine kernel: rows per CTA (W_uv read once for them)
 # <<< constants
 
 VEC = 8  # bf16 elements per 16-byte copy
@@ -116,16 +128,20 @@ DGROUPS = ABS_THREADS // CCHUNKS  # parts of the NOPE reduction
 NORM_THREADS = C // VEC  # threads holding the C part of the latent row (whole warps)
 NORM_WARPS = NORM_THREADS // 32
 ROPE_THREADS = R // VEC  # 16-byte chunks of the rope part
-RB = min(M, 2)  # combine kernel: rows per CTA (W_uv read once for both)
 COMBINE_WARPS = 8  # combine kernel: WPR warps merge each row, then warp w takes W_uv rows w, w + 8, ...
 WPR = COMBINE_WARPS // RB  # combine kernel: warps per row in the merge (they split the row's splits)
 COMBINE_THREADS = 32 * COMBINE_WARPS
-OCH = C // 128  # combine kernel: 4-element chunks of ol per lane
-VPC = V // COMBINE_SPLIT  # combine kernel: outputs per CTA
-OG = min(32, VPC // COMBINE_WARPS)  # combine kernel: outputs per group (one per lane), at least a group per warp
-VGROUPS = VPC // OG
-CCH = C // (VEC * 32)  # combine kernel: 8-element chunks of C per lane
-WUV_LINES = VPC * C * 2 // 128  # 128-byte lines of a combine CTA's W_uv rows (prefetched into L2)
+CS = C // COMBINE_SPLIT  # combine kernel: columns of ol one CTA merges (cluster rank r: r * CS ..)
+OCH = CS // 128  # combine kernel: 4-element chunks of ol per lane and split
+MERGE_UNROLL = min(8, 16 // OCH)  # combine kernel: splits of a warp in flight in the merge
+SPL = min(8, (NSPLIT + 31) // 32)  # combine kernel: splits' statistics per lane loaded at once
+VPC = V // COMBINE_SPLIT  # combine kernel: outputs per CTA in the sum over the cluster
+OGR = COMBINE_THREADS // V  # combine kernel: column groups of the partial o (thread t: output t % V, group t // V)
+CG = CS // OGR  # combine kernel: columns per group
+WV_ROW = CS + VEC  # combine kernel: bf16 stride of a staged W_uv row (16 bytes of padding: conflict-free reads)
+STAGE_WUV = V * WV_ROW * 2 <= 40 * 1024  # combine kernel: W_uv's CS columns staged in shared memory before the PDL
+# wait (else pulled into L2); small enough to share an SM with an attention CTA
+WUV_LINES = V * CS * 2 // 128  # 128-byte lines of a combine CTA's W_uv columns (prefetched into L2)
 WUK_LINES = NOPE * CPC * 2 // 128  # ... and of an absorb CTA's W_uk columns
 SCALE_LOG2 = SCALE * 1.4426950408889634  # scores in log2 units: softmax via exp2
 NEG = -1.0e30  # finite "minus infinity" for running maxima (exp2(NEG - x) == 0, no inf - inf)
@@ -160,6 +176,16 @@ def bf16_round(x, *, loc=None, ip=None):
         loc=loc, ip=ip))
 
 
+@dsl_user_op
+def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
+    """``ld.shared::cluster.f32``: the fp32 at shared address ``addr`` (this CTA's layout) of CTA ``rank`` of the
+    cluster (``mapa`` maps the address)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }", "=f,r,r",
+        has_side_effects=True, loc=loc, ip=ip))
+
+
 class Kernel:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mGate: cute.Tensor,
@@ -172,7 +198,8 @@ class Kernel:
             grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
         self.combine_kernel(mGate, mLengths, mKvB, mOut, mWsOl, mWsMl).launch(
-            grid=(H, M // RB, COMBINE_SPLIT), block=(COMBINE_THREADS, 1, 1), stream=stream, use_pdl=True)
+            grid=(COMBINE_SPLIT, H, M // RB), block=(COMBINE_THREADS, 1, 1),
+            cluster=(COMBINE_SPLIT, 1, 1) if COMBINE_SPLIT > 1 else None, stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------------------------ helpers
     @cute.jit
@@ -447,82 +474,162 @@ class Kernel:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         tid = cute.arch.thread_idx()[0]
-        head = cute.arch.block_idx()[0]
-        row0 = cute.arch.block_idx()[1] * RB
-        v0 = cute.arch.block_idx()[2] * VPC  # this CTA's outputs: v0 .. v0 + VPC - 1 of the head
+        rank = cute.arch.block_idx()[0]  # cluster rank: this CTA's columns of ol c0 .. c0 + CS - 1
+        head = cute.arch.block_idx()[1]
+        row0 = cute.arch.block_idx()[2] * RB
+        c0 = rank * CS
         smem = cutlass.utils.SmemAllocator()
-        sOl = smem.allocate_tensor(Float32, cute.make_layout((RB, C), stride=(C, 1)), 16)
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((COMBINE_WARPS, C), stride=(C, 1)), 16)
-        rPart = cute.make_rmem_tensor((4,), Float32)
+        sOl = smem.allocate_tensor(Float32, cute.make_layout((RB, CS), stride=(CS, 1)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((COMBINE_WARPS, CS), stride=(CS, 1)), 16)
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((OGR, RB, V), stride=(RB * V, V, 1)), 16)
+        sO = smem.allocate_tensor(Float32, cute.make_layout((RB, V), stride=(V, 1)), 16)
+        sWv = smem.allocate_tensor(BFloat16, cute.make_layout((V, WV_ROW) if STAGE_WUV else (1, 8),
+                                                              stride=(WV_ROW, 1)), 16)
+        rPart = cute.make_rmem_tensor((4, OCH, MERGE_UNROLL), Float32)  # (column-major: 4 contiguous elements)
+        rMs = cute.make_rmem_tensor((MERGE_UNROLL,), Float32)
         rAcc = cute.make_rmem_tensor((4 * OCH,), Float32)
-        rOlc = cute.make_rmem_tensor((VEC,), Float32)
-        rWv = cute.make_rmem_tensor((VEC, CCH), BFloat16)
-        # this CTA's W_uv rows into L2 while the attention kernel runs (a static weight: before the PDL wait)
-        for k in cutlass.range_constexpr((WUV_LINES + COMBINE_THREADS - 1) // COMBINE_THREADS):
-            li = tid + k * COMBINE_THREADS
-            if li < WUV_LINES:
-                vr = li // (C // 64)
-                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + NOPE + v0 + vr, None], (64,), (li - vr * (C // 64),)
-                                                   ).iterator.llvm_ptr, cache_level="L2")
+        rM = cute.make_rmem_tensor((SPL,), Float32)
+        rL = cute.make_rmem_tensor((SPL,), Float32)
+        rW8 = cute.make_rmem_tensor((VEC,), BFloat16)
+        rOl8 = cute.make_rmem_tensor((VEC,), Float32)
+        # W_uv[h][:, c0 .. c0 + CS] is a static weight: before the PDL wait, while the attention kernel runs, it is
+        # copied into shared memory (STAGE_WUV) or pulled into L2
+        if cutlass.const_expr(STAGE_WUV):
+            cp16 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), BFloat16,
+                                       num_bits_per_copy=128)
+            for k in cutlass.range_constexpr((V * (CS // VEC) + COMBINE_THREADS - 1) // COMBINE_THREADS):
+                ci = tid + k * COMBINE_THREADS
+                if ci < V * (CS // VEC):
+                    vr = ci // (CS // VEC)
+                    ch = ci - vr * (CS // VEC)
+                    cute.copy(cp16, cute.local_tile(mKvB[head * KVH + NOPE + vr, None], (VEC,), (c0 // VEC + ch,)),
+                              cute.local_tile(sWv[vr, None], (VEC,), (ch,)))
+            cute.arch.cp_async_commit_group()
+        else:
+            for k in cutlass.range_constexpr((WUV_LINES + COMBINE_THREADS - 1) // COMBINE_THREADS):
+                li = tid + k * COMBINE_THREADS
+                if li < WUV_LINES:
+                    vr = li // (CS // 64)
+                    cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + NOPE + vr, None], (64,),
+                                                       (rank * (CS // 64) + li - vr * (CS // 64),)).iterator.llvm_ptr,
+                                       cache_level="L2")
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+        # thread i < RB * VPC writes output rank * VPC + i % VPC of row i // VPC at the end: its gate now
+        gate = Float32(0.0)
+        if tid < RB * VPC:
+            gate = Float32(mGate[row0 + tid // VPC, head * V + rank * VPC + tid % VPC])
 
-        # 1. merge: the WPR warps of row r (warps r * WPR ...) take its splits k, k + WPR, ... (lane s of a warp holds
-        #    split s's statistics for the max and the sum; the partial ol rows are read 4 elements per lane, 4 splits
-        #    in flight); their sums meet in shared memory, added in warp order
+        # 1. statistics of row r (every warp of the row, the same values): lane l holds splits l, l + 32, ... (SPL
+        #    of them loaded at once, then a running max and a rescaled sum), merged over the lanes by a butterfly
         r = warp // WPR
         kw = warp % WPR
         row = row0 + r
         length, n, nact, chunk = self.splits_of(mLengths, row)
-        mx = Float32(NEG)
-        for s in cutlass.range(lane, nact, 32, unroll=1):
-            mx = cute.arch.fmax(mx, mWsMl[row, s, head, 0])
-        m_all = cute.arch.warp_reduction(mx, cute.arch.fmax)
-        lsum = Float32(0.0)
-        for s in cutlass.range(lane, nact, 32, unroll=1):
-            lsum = lsum + mWsMl[row, s, head, 1] * cute.math.exp2(mWsMl[row, s, head, 0] - m_all, fastmath=True)
-        l_all = cute.arch.warp_reduction(lsum, operator.add)
-        inv = Float32(1.0) / l_all
+        m_run = Float32(NEG)
+        l_run = Float32(0.0)
+        for b0 in cutlass.range(0, nact, 32 * SPL, unroll=1):
+            for i in cutlass.range_constexpr(SPL):  # every load first (clamped index), then the running statistics
+                s = cutlass.min(b0 + lane + 32 * i, nact - 1)
+                rM[i] = mWsMl[row, s, head, 0]
+                rL[i] = mWsMl[row, s, head, 1]
+            for i in cutlass.range_constexpr(SPL):
+                valid = b0 + lane + 32 * i < nact
+                m_s = cutlass.select_(valid, rM[i], Float32(NEG))
+                m_new = cute.arch.fmax(m_run, m_s)
+                l_run = l_run * cute.math.exp2(m_run - m_new, fastmath=True) + cutlass.select_(
+                    valid, rL[i], Float32(0.0)) * cute.math.exp2(m_s - m_new, fastmath=True)
+                m_run = m_new
+        for off in cutlass.range_constexpr(5):  # xor butterfly: both lanes of a pair add the same two terms
+            m_o = cute.arch.shuffle_sync_bfly(m_run, offset=1 << off)
+            l_o = cute.arch.shuffle_sync_bfly(l_run, offset=1 << off)
+            m_new = cute.arch.fmax(m_run, m_o)
+            l_run = l_run * cute.math.exp2(m_run - m_new, fastmath=True) + l_o * cute.math.exp2(m_o - m_new,
+                                                                                                fastmath=True)
+            m_run = m_new
+        inv = Float32(1.0) / l_run
+
+        # 2. merge this CTA's CS columns: the WPR warps of row r take its splits kw, kw + WPR, ... (MERGE_UNROLL
+        #    splits' loads in flight: the max and OCH 16-byte chunks per lane each); their sums meet in shared
+        #    memory, added in warp order
         rAcc.fill(0.0)
-        for s in cutlass.range(kw, nact, WPR, unroll=4):
-            weight = cute.math.exp2(mWsMl[row, s, head, 0] - m_all, fastmath=True) * inv
-            for q in cutlass.range_constexpr(OCH):
-                gPart = cute.local_tile(mWsOl[row, s, head, None], (4,), (q * 32 + lane,))
-                cute.autovec_copy(gPart, rPart)
-                for e in cutlass.range_constexpr(4):
-                    rAcc[4 * q + e] = rAcc[4 * q + e] + rPart[e] * weight
+        for s0 in cutlass.range(kw, nact, WPR * MERGE_UNROLL, unroll=1):
+            for u in cutlass.range_constexpr(MERGE_UNROLL):  # loads first (clamped split), weights 0 past nact
+                s = cutlass.min(s0 + WPR * u, nact - 1)
+                rMs[u] = mWsMl[row, s, head, 0]
+                for q in cutlass.range_constexpr(OCH):
+                    cute.autovec_copy(cute.local_tile(mWsOl[row, s, head, None], (4,), (c0 // 4 + q * 32 + lane,)),
+                                      rPart[None, q, u])
+            for u in cutlass.range_constexpr(MERGE_UNROLL):
+                weight = cutlass.select_(s0 + WPR * u < nact, cute.math.exp2(rMs[u] - m_run, fastmath=True) * inv,
+                                         Float32(0.0))
+                for q in cutlass.range_constexpr(OCH):
+                    for e in cutlass.range_constexpr(4):
+                        rAcc[4 * q + e] = rAcc[4 * q + e] + rPart[e, q, u] * weight
         for q in cutlass.range_constexpr(OCH):
             cute.autovec_copy(cute.local_tile(rAcc, (4,), (q,)), cute.local_tile(sPart[warp, None], (4,), (q * 32 + lane,)))
+        if cutlass.const_expr(STAGE_WUV):
+            cute.arch.cp_async_wait_group(0)  # this thread's W_uv copies landed (the barrier: everyone's)
         cute.arch.sync_threads()  # every warp of the row has written its sum
-        for i in cutlass.range(tid, RB * C, COMBINE_THREADS, unroll=1):
-            rr = i // C
-            cc = i - rr * C
+        for i in cutlass.range(tid, RB * CS, COMBINE_THREADS, unroll=1):
+            rr = i // CS
+            cc = i - rr * CS
             tot = sPart[rr * WPR, cc]
             for k in cutlass.range_constexpr(1, WPR):
                 tot = tot + sPart[rr * WPR + k, cc]
             sOl[rr, cc] = tot
         cute.arch.sync_threads()
 
-        # 2. o = ol @ W_uv[h]^T for the group's rows: warp w takes the groups of OG outputs w, w + COMBINE_WARPS,
-        #    ... (each W_uv row read once for the RB rows), lane j keeps output j of its group
-        for gi in cutlass.range(warp, VGROUPS, COMBINE_WARPS, unroll=1):
-            mine = cute.make_rmem_tensor((RB,), Float32)
-            mine.fill(0.0)
-            for jj in cutlass.range(OG, unroll=4):
-                vrow = head * KVH + NOPE + v0 + gi * OG + jj
-                for k in cutlass.range_constexpr(CCH):
-                    cute.autovec_copy(cute.local_tile(mKvB[vrow, None], (VEC,), (k * 32 + lane,)), rWv[None, k])
-                for r in cutlass.range_constexpr(RB):
-                    part = Float32(0.0)
-                    for k in cutlass.range_constexpr(CCH):
-                        cute.autovec_copy(cute.local_tile(sOl[r, None], (VEC,), (k * 32 + lane,)), rOlc)
-                        part = part + (rOlc.load() * rWv[None, k].load().to(Float32)).reduce(
-                            cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                    o = cute.arch.warp_reduction(part, operator.add)
-                    mine[r] = cutlass.select_(lane == jj, o, mine[r])
-            if lane < OG:
-                col = head * V + v0 + gi * OG + lane
-                for r in cutlass.range_constexpr(RB):
-                    gate = Float32(mGate[row0 + r, col])
-                    mOut[row0 + r, col] = (mine[r] / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))).to(
-                        BFloat16)
+        # 3. the CTA's part of o = ol @ W_uv[h]^T over its CS columns, for every output and row: thread t takes output
+        #    t % V over the column group t // V (OGR groups of CG columns; sOl reads are warp-wide broadcasts), the
+        #    groups added in order
+        if tid < OGR * V:
+            v = tid % V
+            cg = tid // V
+            acc2 = cute.make_rmem_tensor((RB,), Float32)
+            acc2.fill(0.0)
+            for k in cutlass.range_constexpr(CG // VEC):
+                col = cg * CG + k * VEC  # within the CTA's columns
+                if cutlass.const_expr(STAGE_WUV):
+                    cute.autovec_copy(cute.local_tile(sWv[v, None], (VEC,), (col // VEC,)), rW8)
+                else:
+                    cute.autovec_copy(cute.local_tile(mKvB[head * KVH + NOPE + v, None], (VEC,), ((c0 + col) // VEC,)),
+                                      rW8)
+                w8 = rW8.load().to(Float32)
+                for rr in cutlass.range_constexpr(RB):
+                    cute.autovec_copy(cute.local_tile(sOl[rr, None], (VEC,), (col // VEC,)), rOl8)
+                    acc2[rr] = acc2[rr] + (rOl8.load() * w8).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                    reduction_profile=0)
+            for rr in cutlass.range_constexpr(RB):
+                sQ[cg, rr, v] = acc2[rr]
+        cute.arch.sync_threads()
+        for i in cutlass.range(tid, RB * V, COMBINE_THREADS, unroll=1):
+            rr = i // V
+            v = i - rr * V
+            tot = sQ[0, rr, v]
+            for k in cutlass.range_constexpr(1, OGR):
+                tot = tot + sQ[k, rr, v]
+            sO[rr, v] = tot
+
+        # 4. CTA rank's outputs v = rank * VPC ..: the cluster's parts added in rank order (distributed shared
+        #    memory, after a release / acquire cluster barrier; a second one keeps every CTA's sO alive until the
+        #    peers have read it), times the sigmoid gate
+        if cutlass.const_expr(COMBINE_SPLIT > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        if tid < RB * VPC:
+            rr = tid // VPC
+            v = rank * VPC + tid - rr * VPC
+            if cutlass.const_expr(COMBINE_SPLIT > 1):
+                base = sO.iterator.toint()
+                o = ld_dsmem_f32(base + 4 * (rr * V + v), 0)
+                for q in cutlass.range_constexpr(1, COMBINE_SPLIT):
+                    o = o + ld_dsmem_f32(base + 4 * (rr * V + v), q)
+            else:
+                o = sO[rr, v]
+            mOut[row0 + rr, head * V + v] = (o / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))).to(BFloat16)
+        if cutlass.const_expr(COMBINE_SPLIT > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()

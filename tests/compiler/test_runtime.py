@@ -247,8 +247,8 @@ def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
 
 
 def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
-    """Without the option the MLA decode of bucket 64 uses fewer context splits than bucket 1 (a different
-    summation order for rows longer than one split); with it every bucket uses bucket 1's. Every other kernel's
+    """Without the option the MLA decode of bucket 64 uses fewer context splits than bucket 1 and another combine
+    tiling (a different summation order for rows longer than one split); with it every bucket uses bucket 1's. Every other kernel's
     per-row reduction never depends on the bucket (one row's dot products and norms are computed the same
     way whatever the other rows)."""
     def mla_splits(**options):
@@ -256,8 +256,8 @@ def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
         with one_thread():
             step(torch.tensor([1]), mini_model.new_state(64, 2048))
         d = step.dispatchers[-1]
-        return {b: {k.point.c["NSPLIT"] for k in d.bound[b].kernels.values() if k.point.template.name == "mla_decode"}
-                for b in (1, 64)}
+        return {b: {(k.point.c["NSPLIT"], k.point.c["COMBINE_SPLIT"], k.point.c["RB"])
+                    for k in d.bound[b].kernels.values() if k.point.template.name == "mla_decode"} for b in (1, 64)}
 
     plain = mla_splits()
     inv = mla_splits(batch_invariant=True)
@@ -265,8 +265,9 @@ def test_batch_invariant_keeps_bucket_1_reduction_order(mini_model):
 
 
 def test_batch_invariant_specs_take_bucket_1s_splits_and_clusters():
-    """At K3 width and context the MLA decode and the residual kernel tile a row differently per bucket (k3-mini's
-    256-wide rows and short caches do not show it); the batch-invariant lowering gives every bucket bucket 1's."""
+    """At K3 width and context the MLA decode (context splits, the combine kernel's rows per CTA and column split)
+    and the residual kernel tile a row differently per bucket (k3-mini's 256-wide rows and short caches do not show
+    it); the batch-invariant lowering gives every bucket bucket 1's."""
     from k3compile.codegen import batch_invariant_specs
     from k3compile.templates import get
 
@@ -277,10 +278,10 @@ def test_batch_invariant_specs_take_bucket_1s_splits_and_clusters():
 
     def tiling(sp):
         pts = [get(t).point(**p).c for t, p in sp]
-        return pts[0]["NSPLIT"], pts[1]["CL"]
+        return pts[0]["NSPLIT"], pts[0]["COMBINE_SPLIT"], pts[0]["RB"], pts[1]["CL"]
 
     assert tiling(specs(1)) != tiling(specs(64))
-    assert tiling(batch_invariant_specs(specs(64))) == tiling(specs(1)) == (132, 7)  # one wave of splits
+    assert tiling(batch_invariant_specs(specs(64))) == tiling(specs(1)) == (132, 4, 1, 7)  # one wave of splits
 
 
 def test_front_gemm_outputs_need_no_input_copies_and_copies_are_counted(mini_model):

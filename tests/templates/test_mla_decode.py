@@ -86,6 +86,10 @@ def test_args_roles_and_shapes():
     ({"kv_lora": 300}, "kv_lora=300"),
     ({"rope": 48}, "rope=48"),
     ({"v": 100}, "v=100"),
+    ({"v": 288}, "v=288 must be a multiple of 32 up to 256"),
+    ({"combine": 3}, "combine=3"),
+    ({"combine": 4, "kv_lora": 256}, "combine=4 must be 1, 2 or 4 CTAs per head, each at least 128"),
+    ({"combine_rows": 2}, "combine_rows=2 must be 1 or 2 and divide the bucket 1"),
     ({"lmax": 0}, "lmax=0"),
     ({"lmax": 2 ** 22, "bucket": 8}, "2^31"),
     ({"kv_eps": 0.0}, "kv_eps"),
@@ -298,14 +302,17 @@ def test_default_splits():
 
 
 def test_combine_split_keeps_the_grid_within_two_ctas_per_sm():
-    """The combine kernel's CTAs per (head, row group): 4 at small batches (K3's V = 128), fewer once the
-    grid H x M / RB would pass 2 x 132 CTAs; at most V / 32 (a whole group of outputs per warp)."""
+    """The combine kernel's cluster of CTAs per (head, row group), each merging C / split columns of the partials: 4
+    at small batches (K3's C = 512, V = 128), fewer once the grid H x split x M / RB would pass 2 x 132 CTAs; at
+    most V / 32 and C / 128 (a 4-element chunk of ol per lane)."""
     got = {b: T.point(**{**EXAMPLES["k3tp8_b8"], "bucket": b}).c["COMBINE_SPLIT"] for b in (1, 2, 4, 8, 16, 32, 64)}
     assert got == {1: 4, 2: 4, 4: 4, 8: 4, 16: 2, 32: 1, 64: 1}
     for b, split in got.items():
         assert 12 * -(-b // min(b, 2)) * split <= 2 * 132 or split == 1
     assert T.point(**{**EXAMPLES["mini_h1_b1"], "v": 32}).c["COMBINE_SPLIT"] == 1
     assert T.point(**{**EXAMPLES["mini_h1_b1"], "v": 64}).c["COMBINE_SPLIT"] == 2
+    assert T.point(**{**EXAMPLES["mini_h1_b1"], "kv_lora": 256}).c["COMBINE_SPLIT"] == 2
+    assert T.point(**EXAMPLES["mini_b4_c2r1"]).c["COMBINE_SPLIT"] == 2 and T.point(**EXAMPLES["mini_b4_c2r1"]).c["RB"] == 1
 
 
 def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
