@@ -56,10 +56,12 @@ columns of the partials (at K3's C = 512 four CTAs per head at small batches, on
   2. Merge: the 8 / RB warps of the row take its splits kw, kw + 8 / RB, ... (MERGE_UNROLL splits' loads in flight:
      the max and OCH 16-byte chunks of the CTA's columns per lane), weights exp2(max_s - max) / sum; the warps'
      sums meet in shared memory, added in warp order.
-  3. The CTA's part of o = ol @ W_uv[h]^T over its CS columns, for every output and row: thread t takes output
-     t % V over a group of columns (fp32 FMAs, no warp reductions; the merged ol is a shared-memory broadcast), the
-     groups added in order. W_uv's CS columns were copied into shared memory (cp.async) before the PDL wait, while
-     the attention kernel ran (STAGE_WUV: four CTAs per head at K3), else pulled into L2.
+  3. The CTA's part of o = ol @ W_uv[h]^T over its CS columns, for every output and row. When W_uv's CS columns
+     fit (STAGE_WUV: four CTAs per head at K3) they are copied into shared memory (cp.async) before the PDL wait,
+     while the attention kernel runs, and thread t takes output t % V over a group of columns (fp32 FMAs, no warp
+     reductions; the merged ol is a shared-memory broadcast), the groups added in order. Otherwise they are pulled
+     into L2 before the wait and each warp takes whole outputs (its lanes read a W_uv row coalesced, one warp
+     reduction per output and row): one thread per output reading rows 1 KB apart from L2 cost 15 us at batch 64.
   4. A cluster barrier (release / acquire), then CTA r adds the cluster's parts of outputs r V / COMBINE_SPLIT ..
      in rank order (distributed shared memory loads) and applies the sigmoid gate; a second barrier keeps every
      CTA's parts alive until its peers have read them.
@@ -141,6 +143,7 @@ CG = CS // OGR  # combine kernel: columns per group
 WV_ROW = CS + VEC  # combine kernel: bf16 stride of a staged W_uv row (16 bytes of padding: conflict-free reads)
 STAGE_WUV = V * WV_ROW * 2 <= 40 * 1024  # combine kernel: W_uv's CS columns staged in shared memory before the PDL
 # wait (else pulled into L2); small enough to share an SM with an attention CTA
+WCH = (CS // VEC + 31) // 32  # combine kernel, W_uv from L2: 16-byte chunks of a W_uv row per lane
 WUV_LINES = V * CS * 2 // 128  # 128-byte lines of a combine CTA's W_uv columns (prefetched into L2)
 WUK_LINES = NOPE * CPC * 2 // 128  # ... and of an absorb CTA's W_uk columns
 SCALE_LOG2 = SCALE * 1.4426950408889634  # scores in log2 units: softmax via exp2
@@ -481,7 +484,8 @@ class Kernel:
         smem = cutlass.utils.SmemAllocator()
         sOl = smem.allocate_tensor(Float32, cute.make_layout((RB, CS), stride=(CS, 1)), 16)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((COMBINE_WARPS, CS), stride=(CS, 1)), 16)
-        sQ = smem.allocate_tensor(Float32, cute.make_layout((OGR, RB, V), stride=(RB * V, V, 1)), 16)
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((OGR, RB, V) if STAGE_WUV else (1, 1, 4),
+                                                            stride=(RB * V, V, 1)), 16)
         sO = smem.allocate_tensor(Float32, cute.make_layout((RB, V), stride=(V, 1)), 16)
         sWv = smem.allocate_tensor(BFloat16, cute.make_layout((V, WV_ROW) if STAGE_WUV else (1, 8),
                                                               stride=(WV_ROW, 1)), 16)
@@ -580,36 +584,53 @@ class Kernel:
             sOl[rr, cc] = tot
         cute.arch.sync_threads()
 
-        # 3. the CTA's part of o = ol @ W_uv[h]^T over its CS columns, for every output and row: thread t takes output
-        #    t % V over the column group t // V (OGR groups of CG columns; sOl reads are warp-wide broadcasts), the
-        #    groups added in order
-        if tid < OGR * V:
-            v = tid % V
-            cg = tid // V
-            acc2 = cute.make_rmem_tensor((RB,), Float32)
-            acc2.fill(0.0)
-            for k in cutlass.range_constexpr(CG // VEC):
-                col = cg * CG + k * VEC  # within the CTA's columns
-                if cutlass.const_expr(STAGE_WUV):
+        # 3. the CTA's part of o = ol @ W_uv[h]^T over its CS columns, for every output and row, into sO.
+        #    Staged W_uv (shared memory): thread t takes output t % V over the column group t // V (OGR groups of CG
+        #    columns; sOl reads are warp-wide broadcasts), the groups added in order. Otherwise (W_uv from L2): warp
+        #    w takes outputs w, w + 8, ..., its lanes 16-byte chunks of the output's W_uv row (coalesced), one warp
+        #    reduction per output and row
+        if cutlass.const_expr(STAGE_WUV):
+            if tid < OGR * V:
+                v = tid % V
+                cg = tid // V
+                acc2 = cute.make_rmem_tensor((RB,), Float32)
+                acc2.fill(0.0)
+                for k in cutlass.range_constexpr(CG // VEC):
+                    col = cg * CG + k * VEC  # within the CTA's columns
                     cute.autovec_copy(cute.local_tile(sWv[v, None], (VEC,), (col // VEC,)), rW8)
-                else:
-                    cute.autovec_copy(cute.local_tile(mKvB[head * KVH + NOPE + v, None], (VEC,), ((c0 + col) // VEC,)),
-                                      rW8)
-                w8 = rW8.load().to(Float32)
+                    w8 = rW8.load().to(Float32)
+                    for rr in cutlass.range_constexpr(RB):
+                        cute.autovec_copy(cute.local_tile(sOl[rr, None], (VEC,), (col // VEC,)), rOl8)
+                        acc2[rr] = acc2[rr] + (rOl8.load() * w8).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                                        reduction_profile=0)
                 for rr in cutlass.range_constexpr(RB):
-                    cute.autovec_copy(cute.local_tile(sOl[rr, None], (VEC,), (col // VEC,)), rOl8)
-                    acc2[rr] = acc2[rr] + (rOl8.load() * w8).reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                                                    reduction_profile=0)
-            for rr in cutlass.range_constexpr(RB):
-                sQ[cg, rr, v] = acc2[rr]
-        cute.arch.sync_threads()
-        for i in cutlass.range(tid, RB * V, COMBINE_THREADS, unroll=1):
-            rr = i // V
-            v = i - rr * V
-            tot = sQ[0, rr, v]
-            for k in cutlass.range_constexpr(1, OGR):
-                tot = tot + sQ[k, rr, v]
-            sO[rr, v] = tot
+                    sQ[cg, rr, v] = acc2[rr]
+            cute.arch.sync_threads()
+            for i in cutlass.range(tid, RB * V, COMBINE_THREADS, unroll=1):
+                rr = i // V
+                v = i - rr * V
+                tot = sQ[0, rr, v]
+                for k in cutlass.range_constexpr(1, OGR):
+                    tot = tot + sQ[k, rr, v]
+                sO[rr, v] = tot
+        else:
+            rWv = cute.make_rmem_tensor((VEC, WCH), BFloat16)
+            for v in cutlass.range(warp, V, COMBINE_WARPS, unroll=2):
+                for k in cutlass.range_constexpr(WCH):  # chunk index clamped (CS < 256), its product masked below
+                    ch = cutlass.min(k * 32 + lane, CS // VEC - 1)
+                    cute.autovec_copy(cute.local_tile(mKvB[head * KVH + NOPE + v, None], (VEC,), (c0 // VEC + ch,)),
+                                      rWv[None, k])
+                for rr in cutlass.range_constexpr(RB):
+                    part = Float32(0.0)
+                    for k in cutlass.range_constexpr(WCH):
+                        ch = cutlass.min(k * 32 + lane, CS // VEC - 1)
+                        cute.autovec_copy(cute.local_tile(sOl[rr, None], (VEC,), (ch,)), rOl8)
+                        dot = (rOl8.load() * rWv[None, k].load().to(Float32)).reduce(
+                            cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                        part = part + cutlass.select_(k * 32 + lane < CS // VEC, dot, Float32(0.0))
+                    o = cute.arch.warp_reduction(part, operator.add)
+                    if lane == 0:
+                        sO[rr, v] = o
 
         # 4. CTA rank's outputs v = rank * VPC ..: the cluster's parts added in rank order (distributed shared
         #    memory, after a release / acquire cluster barrier; a second one keeps every CTA's sO alive until the
