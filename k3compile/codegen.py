@@ -311,7 +311,7 @@ def last_bytes(points: list) -> int | None:
 
 def batch_invariant_specs(specs: list) -> list:
     """``specs`` with every per-row reduction in bucket 1's order (see ``lower_node``)."""
-    from .templates.mla_decode import combine_split, default_chunk_min, default_splits
+    from .templates.mla_decode import default_chunk_min, default_splits
     from .templates.residual_attn_res import default_cluster
 
     specs = [(t, {**params, "ksplit": 1}) if t == "moe_gate_up" else (t, dict(params)) for t, params in specs]
@@ -322,9 +322,7 @@ def batch_invariant_specs(specs: list) -> list:
         if t == "mla_decode":
             params.setdefault("chunk_min", default_chunk_min(1))  # a row's splits depend on it and its length
             params["splits"] = default_splits(1, params["lmax"], params["chunk_min"])
-            # the combine kernel's merge order depends on its rows per CTA and its column split
-            params["combine"] = combine_split(1, params["heads"], params["v"], params["kv_lora"])
-            params["combine_rows"] = 1
+            params["combine_rows"] = 1  # the combine kernel's merge order depends on its rows per CTA
         if t == "residual_attn_res":  # a row's statistics are summed per CTA, then over the cluster
             params["cluster"] = default_cluster(1, params["d"])
     return specs

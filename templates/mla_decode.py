@@ -13,7 +13,7 @@ This template is **three kernels** launched back to back by one ``Kernel.__call_
 into the scratch ``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the
 tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
 per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x
-M / RB: two rows per CTA from batch 2; at small batches a cluster of CTAs per head, each merging a share of the
+M / RB: two rows per CTA from batch 2; a cluster of CTAs per head (four at K3), each merging a share of the
 partials' columns) that merges the partials and applies W_uv and the sigmoid output gate.
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
@@ -56,21 +56,17 @@ def _position(c: dict, length) -> int:
     return max(0, min(int(length), c["LMAX"] - 1))
 
 
-def combine_split(bucket: int, heads: int, v: int, kv_lora: int = 512) -> int:
+def combine_split(v: int, kv_lora: int = 512) -> int:
     """CTAs per (head, row group) of the combine kernel, a thread-block cluster, each merging C / split columns of
     the partials (at least 128: a 4-element chunk per lane) and adding its part of o = ol @ W_uv^T for every output,
-    the parts then added over the cluster: 4, 2 or 1 (at most v / 32), the most that keep its grid within two CTAs
-    per SM.
+    the parts then added over the cluster: 4, 2 or 1, the most that v (at most v / 32) and kv_lora allow, at every
+    batch.
 
-    Measured on the H200 (2026-12-02, K3 TP8 shard, 12 heads), when each CTA merged all C columns for a share of
-    the outputs: four CTAs per head took the combine kernel's exposed time in the MLA layer from 6.7 to 3.8 us at
-    batch 1 and 8.5 to 5.3 at batch 8, but from 11.3 to 20.3 us at batch 64 (1,536 CTAs each merging the head's
-    partials again)."""
-    ctas = heads * -(-bucket // min(bucket, 2))  # grid H x M / RB, RB = min(M, 2)
-    s = min(4, v // 32, kv_lora // 128)
-    while s > 1 and ctas * s > 2 * SMS:
-        s //= 2
-    return s
+    Measured on the H200 (2026-12-03, K3 TP8 shard, 12 heads, batch 64, 16k capacity, ``bench-kernels``, two runs):
+    the whole ``mla_decode`` 289.0 / 290.7 us with four CTAs per head (1,536 CTAs; W_uv's 128 columns staged in
+    shared memory), 301.1 / 301.3 with two and 296.8 / 297.1 with one. When each CTA still merged all C columns
+    (before 2026-12-03), four CTAs at batch 64 cost 9 us in the layer: the split then stopped at two CTAs per SM."""
+    return next(s for s in (4, 2, 1) if s == 1 or (s <= v // 32 and kv_lora % (128 * s) == 0 and v % s == 0))
 
 
 def default_chunk_min(bucket: int) -> int:
@@ -143,10 +139,10 @@ class MlaDecode(Template):
         need(isinstance(splits, int) and 1 <= splits <= 4096,
              f"{p}: splits={splits} must be in 1..4096 (context splits per row); raise chunk_min instead")
         if combine is None:
-            combine = combine_split(bucket, heads, v, kv_lora)
+            combine = combine_split(v, kv_lora)
         need(combine in (1, 2, 4) and kv_lora % (128 * combine) == 0 and v % combine == 0,
              f"{p}: combine={combine} must be 1, 2 or 4 CTAs per head, each at least 128 of the kv_lora={kv_lora} "
-             f"columns and a whole share of the v={v} outputs (or None: chosen by the bucket)")
+             f"columns and a whole share of the v={v} outputs (or None: combine_split)")
         if combine_rows is None:
             combine_rows = min(bucket, 2)
         need(combine_rows in (1, 2) and bucket % combine_rows == 0,

@@ -48,8 +48,7 @@ different banks.
 
 Kernel 3 (``combine_kernel``, grid (COMBINE_SPLIT, H, M / RB), 8 warps): one head of RB rows (RB = min(M, 2)
 unless the point fixes it), the COMBINE_SPLIT CTAs of a thread-block cluster each merging CS = C / COMBINE_SPLIT
-columns of the partials (at K3's C = 512 four CTAs per head at small batches, one from batch 32,
-``combine_split``): the bytes of the partials are split over the cluster, not read again by every CTA.
+columns of the partials (at K3's C = 512 four CTAs per head at every batch, ``combine_split``): the bytes of the partials are split over the cluster, not read again by every CTA.
   1. Statistics: every warp of a row loads the (max, sum) of its nact splits, SPL per lane at once (lane l: splits
      l, l + 32, ...), keeps a running max and a rescaled sum, and a butterfly merges the lanes (both lanes of a pair
      add the same two terms, so every lane ends with the same values).
