@@ -92,7 +92,7 @@ def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 class Gemv(Template):
     name = "gemv"
     kernel_file = "gemv.py"
-    libs = ("mxfp4_lib.py",)  # mma_bf16_16816 (the tensor-core path)
+    libs = ("mxfp4_lib.py", "dsmem_lib.py")  # mma_bf16_16816 (tensor-core path), ld_dsmem_f32 (K split over a pair)
     doc = "decode GEMM of a bf16 weight (warp per row, 128-bit loads), RMSNorm/SiTU prologue, fp32+bf16 outputs"
 
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,

@@ -99,7 +99,7 @@ def default_splits(bucket: int, lmax: int, chunk_min: int | None = None) -> int:
 class MlaDecode(Template):
     name = "mla_decode"
     kernel_file = "mla_decode.py"
-    libs = ("mxfp4_lib.py",)  # mma_bf16_16816
+    libs = ("mxfp4_lib.py", "dsmem_lib.py")  # mma_bf16_16816, ld_dsmem_f32
     doc = ("absorbed MLA decode + kv_a RMSNorm: the absorbed query once per head, split-context attention on "
            "the tensor cores (all heads of a token per CTA, cache rows read once), then a combine kernel with "
            "W_uv and the output gate")

@@ -51,6 +51,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from k3compile.templates.kernels.dsmem_lib import ld_dsmem_f32
 from k3compile.templates.kernels.mxfp4_lib import mma_bf16_16816
 
 # >>> constants
@@ -103,16 +104,6 @@ def prefetch_l2(addr, size, *, loc=None, ip=None):
     llvm.inline_asm(res=None, operands_=[Int64(addr).ir_value(loc=loc, ip=ip), Int32(size).ir_value(loc=loc, ip=ip)],
                     asm_string="cp.async.bulk.prefetch.L2.global [$0], $1;", constraints="l,r",
                     has_side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
-    """``ld.shared::cluster.f32``: the fp32 at shared address ``addr`` (this CTA's layout) of CTA ``rank`` of the
-    cluster (``mapa`` maps the address)."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }", "=f,r,r",
-        has_side_effects=True, loc=loc, ip=ip))
 
 
 class Kernel:

@@ -85,6 +85,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from k3compile.templates.kernels.dsmem_lib import ld_dsmem_f32
 from k3compile.templates.kernels.mxfp4_lib import mma_bf16_16816
 
 # >>> constants
@@ -176,16 +177,6 @@ def bf16_round(x, *, loc=None, ip=None):
         T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
         "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=f,f", has_side_effects=False,
         loc=loc, ip=ip))
-
-
-@dsl_user_op
-def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
-    """``ld.shared::cluster.f32``: the fp32 at shared address ``addr`` (this CTA's layout) of CTA ``rank`` of the
-    cluster (``mapa`` maps the address)."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }", "=f,r,r",
-        has_side_effects=True, loc=loc, ip=ip))
 
 
 class Kernel:
