@@ -48,7 +48,8 @@ different banks.
 
 Kernel 3 (``combine_kernel``, grid (COMBINE_SPLIT, H, M / RB), 8 warps): one head of RB rows (RB = min(M, 2)
 unless the point fixes it), the COMBINE_SPLIT CTAs of a thread-block cluster each merging CS = C / COMBINE_SPLIT
-columns of the partials (at K3's C = 512 four CTAs per head at every batch, ``combine_split``): the bytes of the partials are split over the cluster, not read again by every CTA.
+columns of the partials (at K3's C = 512 four CTAs per head at every batch, ``combine_split``): the bytes of the
+partials are split over the cluster, not read again by every CTA.
   1. Statistics: every warp of a row loads the (max, sum) of its nact splits, SPL per lane at once (lane l: splits
      l, l + 32, ...), keeps a running max and a rescaled sum, and a butterfly merges the lanes (both lanes of a pair
      add the same two terms, so every lane ends with the same values).
@@ -65,8 +66,9 @@ columns of the partials (at K3's C = 512 four CTAs per head at every batch, ``co
      in rank order (distributed shared memory loads) and applies the sigmoid gate; a second barrier keeps every
      CTA's parts alive until its peers have read them.
 The order of every sum depends on the row's lengths, RB and COMBINE_SPLIT, never on the other rows' values;
-``codegen --batch-invariant`` fixes RB and COMBINE_SPLIT to bucket 1's. The absorb and combine kernels prefetch their
-own W_uk / W_uv columns into L2 before their PDL wait (static weights), while the kernel before them still runs.
+``codegen --batch-invariant`` fixes RB to 1 (COMBINE_SPLIT is the same at every bucket). The absorb and combine
+kernels prefetch their own W_uk / W_uv columns into L2 before their PDL wait (static weights), while the kernel
+before them still runs.
 
 Precision: the scores and the weighted sum run on bf16 operands (``ql`` and P rounded to bf16, the cache is
 bf16) with fp32 accumulation, as FlashMLA-style decoders do; the softmax statistics, the partials and the
@@ -130,7 +132,7 @@ DGROUPS = ABS_THREADS // CCHUNKS  # parts of the NOPE reduction
 NORM_THREADS = C // VEC  # threads holding the C part of the latent row (whole warps)
 NORM_WARPS = NORM_THREADS // 32
 ROPE_THREADS = R // VEC  # 16-byte chunks of the rope part
-COMBINE_WARPS = 8  # combine kernel: WPR warps merge each row, then warp w takes W_uv rows w, w + 8, ...
+COMBINE_WARPS = 8  # combine kernel: WPR warps merge each row (W_uv from L2: warp w then takes outputs w, w + 8, ..)
 WPR = COMBINE_WARPS // RB  # combine kernel: warps per row in the merge (they split the row's splits)
 COMBINE_THREADS = 32 * COMBINE_WARPS
 CS = C // COMBINE_SPLIT  # combine kernel: columns of ol one CTA merges (cluster rank r: r * CS ..)
@@ -561,7 +563,8 @@ class Kernel:
                     for e in cutlass.range_constexpr(4):
                         rAcc[4 * q + e] = rAcc[4 * q + e] + rPart[e, q, u] * weight
         for q in cutlass.range_constexpr(OCH):
-            cute.autovec_copy(cute.local_tile(rAcc, (4,), (q,)), cute.local_tile(sPart[warp, None], (4,), (q * 32 + lane,)))
+            cute.autovec_copy(cute.local_tile(rAcc, (4,), (q,)),
+                              cute.local_tile(sPart[warp, None], (4,), (q * 32 + lane,)))
         if cutlass.const_expr(STAGE_WUV):
             cute.arch.cp_async_wait_group(0)  # this thread's W_uv copies landed (the barrier: everyone's)
         cute.arch.sync_threads()  # every warp of the row has written its sum
