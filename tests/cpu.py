@@ -29,14 +29,22 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    """One rank: ``fn`` in a gloo group, then a barrier and an exit without the gloo teardown.
+
+    ``destroy_process_group()`` (and the interpreter's own teardown of a live gloo group) while a peer
+    rank is still closing its sockets sometimes aborts the process ("terminate called without an active
+    exception", SIGABRT: seen once in CI on test_tp_matches_tp1[2]), failing a run whose results were
+    all written. ``k3compile.comm.leave`` waits for every rank and exits with ``os._exit``. A rank whose
+    ``fn`` raises lets the exception through: the spawn wrapper records it and the parent re-raises it.
+    """
     import torch.distributed as dist
 
+    from k3compile.comm import leave
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)  # `world` processes share the machine's cores
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(1)  # `world` processes share the machine's cores
+    fn(rank, world, *args)
+    leave(0)
 
 
 def run_gloo(fn, world: int, *args) -> None:

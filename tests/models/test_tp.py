@@ -1,7 +1,7 @@
 """Tensor parallelism (k3-architecture.md §3.1): TP 2, 4 and 8 give the logits of TP 1.
 
-Each TP size spawns tp_size processes (torch.multiprocessing, start method spawn) in a gloo group on
-127.0.0.1; every rank loads only its shard with ``load_pretrained(..., tp_rank, tp_size)`` and
+Each TP size spawns tp_size processes (``cpu.run_gloo``: start method spawn, a gloo group on
+127.0.0.1); every rank loads only its shard with ``load_pretrained(..., tp_rank, tp_size)`` and
 decodes the same 4 steps (batch 2, then batch 3: rows of different lengths); rank 0 saves its logits.
 
 Tolerances:
@@ -19,8 +19,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from cpu import free_port
+from cpu import run_gloo
 from k3_tp_worker import run_rank
 from k3ref import rel_err, run_model
 
@@ -42,8 +41,7 @@ def tp1(model_f32, pinned_routing_ckpt):
 @pytest.mark.parametrize("tp_size", [2, 4, 8])
 def test_tp_matches_tp1(tp_size, mini_ckpt, pinned_routing_ckpt, tp1, tmp_path):
     out = str(tmp_path / f"tp{tp_size}.pt")
-    mp.start_processes(run_rank, args=(tp_size, free_port(), mini_ckpt, pinned_routing_ckpt, PLAN, out),
-                       nprocs=tp_size, start_method="spawn")
+    run_gloo(run_rank, tp_size, mini_ckpt, pinned_routing_ckpt, PLAN, out)
     assert os.path.exists(out)
     got = torch.load(out)
     assert got["fp32_lengths"].tolist() == [4, 4, 3]
