@@ -13,8 +13,11 @@ This template is **three kernels** launched back to back by one ``Kernel.__call_
 into the scratch ``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the
 tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
 per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x
-M / RB: two rows per CTA from batch 2; a cluster of CTAs per head (four at K3), each merging a share of the
-partials' columns) that merges the partials and applies W_uv and the sigmoid output gate.
+M / RB: two rows per CTA from batch 2 unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of CTAs per
+head (four at K3), each merging a share of the partials' columns) that merges the partials and applies W_uv and
+the sigmoid output gate. The examples ``k3tp8_b64_r4`` / ``_r8`` are batch 64 with 4 and 8 rows per combine CTA:
+a quarter / an eighth of the default's 1,536 CTAs (2.3 waves at five 42 KB CTAs per SM), each staging its
+32 KB of W_uv once for more rows; not yet measured, so the default stays two.
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
 ``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
@@ -145,9 +148,10 @@ class MlaDecode(Template):
              f"columns and a whole share of the v={v} outputs (or None: combine_split)")
         if combine_rows is None:
             combine_rows = min(bucket, 2)
-        need(combine_rows in (1, 2) and bucket % combine_rows == 0,
-             f"{p}: combine_rows={combine_rows} must be 1 or 2 and divide the bucket {bucket} (or None: min(bucket, "
-             f"2))")
+        need(combine_rows in (1, 2, 4, 8) and bucket % combine_rows == 0 and combine_rows * v <= 256 * combine,
+             f"{p}: combine_rows={combine_rows} must be 1, 2, 4 or 8, divide the bucket {bucket}, and leave at most "
+             f"256 outputs per combine CTA (rows x v / combine = {combine_rows} x {v} / {combine}: one per thread); "
+             f"or None: min(bucket, 2)")
         smem = attention_smem(heads, row)
         need(smem <= SMEM_BUDGET,
              f"{p}: the attention kernel needs {smem} bytes of shared memory for {heads} heads and {row}-wide "
@@ -180,6 +184,8 @@ class MlaDecode(Template):
         ex["mini_h1_b1"] = dict(bucket=1, heads=1, lmax=4096, **common)  # the trained k3-mini at TP 2
         # a two-CTA cluster and one row per combine CTA at a batch of several rows (codegen --batch-invariant's kind)
         ex["mini_b4_c2r1"] = dict(bucket=4, heads=8, lmax=4096, combine=2, combine_rows=1, **common)
+        for rb in (4, 8):  # more rows per combine CTA at batch 64 (a quarter / an eighth of its CTAs)
+            ex[f"k3tp8_b64_r{rb}"] = dict(bucket=64, heads=12, lmax=16384, combine_rows=rb, **common)
         return ex
 
     def args(self, c):
