@@ -484,12 +484,16 @@ def _map(cg: Codegen, node, es: list[Entry], b: int, tp: int, arch: str, batch_i
         for e in es:
             e.uncovered = str(why)
         return None
-    if len(es) == len(names):  # one kernel per planned launch
-        for e, n in zip(es, names):
-            e.kernels, e.note = [n], note
-    else:  # more kernels than the plan counts (a fusion the templates do not do yet): all on the first
-        es[0].kernels, es[0].note = names, note
+    for e, ks in zip(es, per_launch(names, len(es))):
+        if ks:
+            e.kernels, e.note = ks, note
     return prev
+
+
+def per_launch(kernels: list, n: int) -> list[list]:
+    """A node's kernels over its n plan launches: one each when the counts match, else (more kernels than the
+    plan counts: a fusion the templates do not do yet) all on the first."""
+    return [[k] for k in kernels] if len(kernels) == n else [list(kernels)] + [[] for _ in range(n - 1)]
 
 
 def _header(cg: Codegen, name: str) -> list[str]:

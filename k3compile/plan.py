@@ -11,6 +11,15 @@ view of a preallocated bank that the producing kernel writes), decode-state writ
 ``index_put_`` of a kernel's new state: the kernel writes the state in place), ``prefetch`` (issued by
 the kernel it precedes while that kernel waits for its peers). Every other remaining torch op is listed
 as an unfused ``torch.*`` launch, so a fusion that did not happen shows up in the count.
+
+A launch is one dialect op (or one of the launches it is split into), not one GPU kernel. Each launch also
+carries what it runs on the GPU: the kernel templates codegen maps it to (``codegen.lower_node``; a template
+may launch several kernels: ``Point.kernels``, which the PTX audit checks against the compiled entries), and
+the collectives the runtime issues through torch.distributed beside them at TP > 1 (the all-gathers of
+row-sharded GEMM outputs, the latent all-reduce before an FFN tail's up-projection, model-level collectives).
+So a layer's line reads, e.g. at K3 TP8 batch 1, ``mla+moe: 9 launches = 13 GPU kernels + 2 all-gathers + 1
+all-reduce``; the H200 profiler counted 15 kernels for that layer (one-GPU emulation: each all-gather a copy, the
+all-reduce none; BENCHMARKS.md, sixteenth entry).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ B = sympy.Symbol("B", positive=True, integer=True)
 DEFAULT_BANDWIDTH = 4.2e12  # bytes/s: the H200's measured copy bandwidth
 MLA_OPS = ("mla_decode", "mla_decode_latent")  # the ops that read the latent cache up to the context
 
+TORCH_OP = "unfused torch op"
 _FREE_TORCH = {"getitem", "torch.stack", "torch.arange", ".copy_", ".index_put_", "torch.chunk"}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -54,15 +64,27 @@ class Launch:
     prefetch_bytes: int = 0
     waits: list = field(default_factory=list)
     records: list = field(default_factory=list)
+    kernels: list = field(default_factory=list)  # template of each kernel point (codegen.lower_node), in order
+    gpu_kernels: int | None = None  # GPU kernels those points launch; None: no template covers it (uncovered)
+    collectives: dict = field(default_factory=dict)  # kind -> count, issued by the runtime (torch.distributed)
+    uncovered: str = ""  # why no template covers the launch
     fx: object = field(default=None, repr=False, compare=False)  # the lowered graph's node (codegen reads it)
 
     def bytes(self, b: int) -> int:
         return int(sympy.ceiling((self.weight_bytes + self.act_bytes + self.state_bytes).subs(B, b)))
 
+    def kernels_text(self) -> str:
+        """``2: gemv+residual_attn_res``, a torch op, a collective, or why no template covers the launch."""
+        if self.kernel == TORCH_OP:
+            return TORCH_OP
+        if self.gpu_kernels is None:
+            return "uncovered: " + self.uncovered
+        return f"{self.gpu_kernels}: {'+'.join(self.kernels)}" if self.kernels else "collective"
+
     def as_dict(self, b: int) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("weight_bytes", "act_bytes", "state_bytes", "flops", "fx")}
-        d = {k: list(v) if isinstance(v, list) else v for k, v in d.items()}
+        d = {k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v for k, v in d.items()}
         for k in ("weight_bytes", "act_bytes", "state_bytes", "flops"):
             d[k] = int(sympy.ceiling(getattr(self, k).subs(B, b)))
         return d
@@ -76,6 +98,27 @@ class LayerPlan:
 
     def bytes(self, b: int) -> int:
         return sum(l.bytes(b) for l in self.launches)
+
+    def counts(self) -> dict:
+        """What the layer runs on the GPU: kernels from templates, unfused torch ops (one kernel each, roughly),
+        launches no template covers, and the runtime's collectives by kind."""
+        coll: dict = {}
+        for l in self.launches:
+            for k, n in l.collectives.items():
+                coll[k] = coll.get(k, 0) + n
+        return {"gpu_kernels": sum(l.gpu_kernels or 0 for l in self.launches),
+                "torch_ops": sum(1 for l in self.launches if l.kernel == TORCH_OP),
+                "uncovered": sum(1 for l in self.launches if l.uncovered), "collectives": coll}
+
+    def counts_text(self) -> str:
+        c = self.counts()
+        parts = [f"{c['gpu_kernels']} GPU kernel{'s' * (c['gpu_kernels'] != 1)}"]
+        if c["torch_ops"]:
+            parts.append(f"{c['torch_ops']} torch op{'s' * (c['torch_ops'] != 1)}")
+        if c["uncovered"]:
+            parts.append(f"{c['uncovered']} without a template")
+        parts += [f"{n} {k.replace('_', '-')}{'s' * (n != 1)}" for k, n in sorted(c["collectives"].items())]
+        return " + ".join(parts)
 
 
 @dataclass
@@ -102,7 +145,7 @@ class KernelPlan:
         kinds = {}
         for kind, lp in self.by_kind().items():
             kinds[kind] = {"layer": lp.layer, "launches": [l.as_dict(b) for l in lp.launches],
-                           "n_launches": len(lp.launches), "bytes": lp.bytes(b),
+                           "n_launches": len(lp.launches), **lp.counts(), "bytes": lp.bytes(b),
                            "floor_us": self.floor_us(lp, bandwidth), "count_in_model": self.layer_counts.get(kind, 1)}
         total = sum(v["bytes"] * v["count_in_model"] for v in kinds.values())
         return {"config": self.config, "tp": self.tp, "bucket": b, "context": self.context, "bandwidth": bandwidth,
@@ -118,17 +161,19 @@ class KernelPlan:
         for kind, lp in self.by_kind().items():
             mb = lp.bytes(b) / 1e6
             lines.append(f"\n== {kind} (layer {lp.layer}; {self.layer_counts.get(kind, 1)} in the model): "
-                         f"{len(lp.launches)} launches, {mb:.2f} MB, floor {self.floor_us(lp, bandwidth):.1f} us")
-            lines.append(f"   {'#':>2} {'kernel launch':<34} {'stream':<13} {'family':<28} {'weights MB':>10} "
-                         f"{'act+state MB':>12} {'GFLOP':>8}  sync")
+                         f"{len(lp.launches)} launches = {lp.counts_text()}, {mb:.2f} MB, floor "
+                         f"{self.floor_us(lp, bandwidth):.1f} us")
+            lines.append(f"   {'#':>2} {'kernel launch':<34} {'stream':<13} {'GPU kernels (templates)':<30} "
+                         f"{'weights MB':>10} {'act+state MB':>12} {'GFLOP':>8}  sync")
             for i, l in enumerate(lp.launches, 1):
                 w = float(l.weight_bytes.subs(B, b)) / 1e6
                 a = float((l.act_bytes + l.state_bytes).subs(B, b)) / 1e6
                 fl = float(l.flops.subs(B, b)) / 1e9
                 sync = " ".join([f"wait:{e}" for e in l.waits] + [f"record:{e}" for e in l.records]
-                                + ([f"prefetch:{l.prefetch_bytes / 1e6:.1f}MB"] if l.prefetch_bytes else []))
-                lines.append(f"   {i:>2} {l.name:<34} {l.stream:<13} {l.kernel[:28]:<28} {w:>10.3f} {a:>12.4f} "
-                             f"{fl:>8.3f}  {sync}")
+                                + ([f"prefetch:{l.prefetch_bytes / 1e6:.1f}MB"] if l.prefetch_bytes else [])
+                                + [f"{k.replace('_', '-')}:{n}" for k, n in sorted(l.collectives.items())])
+                lines.append(f"   {i:>2} {l.name:<34} {l.stream:<13} {l.kernels_text()[:30]:<30} {w:>10.3f} "
+                             f"{a:>12.4f} {fl:>8.3f}  {sync}")
         js = self.to_json(bandwidth)
         lines.append(f"\nwhole model per step: {js['model_bytes_per_step'] / 1e9:.2f} GB, floor "
                      f"{js['model_floor_us'] / 1e3:.2f} ms")
@@ -314,9 +359,9 @@ def build_plan(gm: torch.fx.GraphModule, *, config, tp: int, bucket: int, contex
             t = "embedding_gather"
         v = node_value(node)
         act = sum((_rows_bytes(x) for x in _tensors(v) if x.dim() >= 1), sympy.Integer(0))
-        launches.append((current, Launch(name=t, op=t, node=node.name, kernel="unfused torch op", act_bytes=act),
-                         node))
+        launches.append((current, Launch(name=t, op=t, node=node.name, kernel=TORCH_OP, act_bytes=act), node))
     _assign_events(launches)
+    _attach_kernels(launches, bucket, tp)
     by_layer: dict[int, list[Launch]] = {}
     for layer, la, _ in launches:
         by_layer.setdefault(layer, []).append(la)
@@ -330,6 +375,62 @@ def build_plan(gm: torch.fx.GraphModule, *, config, tp: int, bucket: int, contex
         layers.append(LayerPlan(layer, kind, by_layer[layer]))
     counts = dict(layer_counts or {})
     return KernelPlan(config.name, tp, bucket, context, layers, counts, note)
+
+
+def _collectives(node, tp: int) -> dict:
+    """What the runtime issues through torch.distributed for this dialect node at TP > 1 beside its kernels
+    (``runtime.Binding._front_gemm`` / ``_linear_gather`` / ``_ffn_sum``, ``runtime.Collective``). The
+    partial-sum all-reduces of the o_proj and FFN tails are not here: the residual kernel does them."""
+    if tp == 1:
+        return {}
+    from .codegen import _arg
+
+    op = dialect.op_name(node)
+    if op == "front_gemm":
+        n = sum(1 for g in _arg(node, "gather") if g)
+        return {"all_gather": n} if n else {}
+    if op in ("linear_gather", "tp_all_gather"):
+        return {"all_gather": 1}
+    if op == "tp_all_reduce":
+        return {"all_reduce": 1}
+    if op in ("ffn_tail", "ffn_tail_norm") and _arg(node, "latent_partial") is not None:
+        return {"all_reduce": 1}
+    return {}
+
+
+def _attach_kernels(launches, bucket: int, tp: int) -> None:
+    """Each dialect launch's kernel templates and GPU kernel count (what codegen and the runtime bind for it:
+    ``codegen.lower_node``; a node split into several launches, the routed experts: ``codegen.per_launch``), and
+    its collectives."""
+    from .codegen import _LOWERING, lower_node, per_launch
+    from .templates import get as get_template
+    from .templates.base import TemplateError
+
+    groups: dict = {}
+    for _, la, node in launches:
+        if la.kernel != TORCH_OP:
+            groups.setdefault(node, []).append(la)
+    for node, las in groups.items():
+        las[0].collectives = _collectives(node, tp)
+        op, why = dialect.op_name(node), ""
+        if op in ("tp_all_reduce", "tp_all_gather"):  # only the collective itself
+            las[0].gpu_kernels = 0
+            continue
+        if op not in _LOWERING:
+            why = f"no template for dialect op {op}"
+        else:
+            try:
+                specs, _ = lower_node(node, bucket, tp)
+                points = [get_template(t).point(**params) for t, params in specs]
+            except TemplateError as e:
+                why = str(e)
+        if why:
+            for la in las:
+                la.uncovered = why
+            continue
+        for la, ps in zip(las, per_launch(points, len(las))):
+            la.kernels = [p.template.name for p in ps]
+            la.gpu_kernels = sum(p.kernels for p in ps)
 
 
 def _assign_events(launches) -> None:

@@ -124,6 +124,12 @@ class Point:
     def name(self) -> str:
         return f"{self.template.name}_{self.key()[:10]}"
 
+    @property
+    def kernels(self) -> int:
+        """GPU kernels one call launches: one per ``Template.kernel_params`` list, which the PTX audit checks
+        against the compiled module's ``.entry`` count."""
+        return len(self.template.kernel_params(self.c))
+
     def args(self) -> list[Arg]:
         return self.template.args(self.c)
 

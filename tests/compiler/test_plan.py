@@ -76,11 +76,38 @@ def test_mla_layer_bytes(plans):
     assert attention == pytest.approx({8: 84.6, 16: 57.4}[tp], rel=0.02)
 
 
+# GPU kernels per layer from the templates each launch maps to, at K3 TP 8 and 16. The H200 profiler counted
+# 12 / 14 / 15 (KDA + MoE) and 15 / 18 / 19 (gated MLA + MoE, context 1k) kernels per layer at batches 1 / 8 / 64
+# for rank 0's TP8 shard on one GPU (BENCHMARKS.md, thirteenth and sixteenth entries): these plus the 2
+# all-gathers, each a copy in that emulation (the all-reduce is none there).
+GPU_KERNELS = {"kda+dense": {1: 8, 8: 9, 64: 9}, "kda+moe": {1: 10, 8: 12, 64: 13}, "mla+moe": {1: 13, 8: 16, 64: 17}}
+
+
+def test_layers_count_their_gpu_kernels_and_collectives(plans):
+    tp, by_bucket = plans
+    for kind, want in GPU_KERNELS.items():
+        for b, n in want.items():
+            lp = by_bucket[b].by_kind()[kind]
+            c = lp.counts()
+            assert (c["gpu_kernels"], c["torch_ops"], c["uncovered"]) == (n, 0, 0), (tp, kind, b, c)
+            assert c["collectives"] == ({"all_gather": 2, "all_reduce": 1} if kind.endswith("moe") else {}), c
+            assert all(l.kernels and l.gpu_kernels == sum(3 if k == "mla_decode" else 1 for k in l.kernels)
+                       for l in lp.launches), [(l.name, l.kernels, l.gpu_kernels) for l in lp.launches]
+    text = by_bucket[1].text()
+    assert "9 launches = 13 GPU kernels + 2 all-gathers + 1 all-reduce" in text
+    assert "3: mla_decode" in text and "2: gemv+residual_attn_res" in text and "all-gather:2" in text
+    model = by_bucket[1].by_kind()["model (embedding, output AttnRes, lm_head)"]
+    coll = next(l for l in model.launches if l.op == "tp_all_reduce")  # the runtime's, no kernel of ours
+    assert (coll.gpu_kernels, coll.collectives, coll.kernels_text()) == (0, {"all_reduce": 1}, "collective")
+
+
 def test_plan_cli_json(capsys):
     assert main(["plan", "--config", "kimi_k3", "--tp", "8", "--bucket", "1", "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     kda = js["layer_types"]["kda+moe"]
     assert kda["n_launches"] <= 8 and kda["count_in_model"] == 68
+    assert kda["gpu_kernels"] == 10 and kda["collectives"] == {"all_gather": 2, "all_reduce": 1}
+    assert [l["kernels"] for l in kda["launches"]][:3] == [["gemv"], ["kda_decode"], ["gemv", "residual_attn_res"]]
     assert kda["floor_us"] == pytest.approx(kda["bytes"] / 4.2e12 * 1e6)
     assert {l["stream"] for l in kda["launches"]} == {"main", "shared_expert"}
     side = next(l for l in kda["launches"] if l["stream"] == "shared_expert")

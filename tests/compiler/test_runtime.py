@@ -233,8 +233,15 @@ def test_tp2_gloo_bindings_issue_the_collectives(mini_ckpt, tmp_path):
     takes on GPUs above ``oneshot_max_bytes`` (tests/gpu/test_tp_gpu.py runs the one-shot exchange)."""
     from cpu import run_gloo
 
+    from k3compile.models import load_pretrained
+    from k3compile.plan import plans_for
+
     run_gloo(_tp_runtime_worker, 2, mini_ckpt, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    # the plan's all-gathers (k3compile plan) are the ones the runtime issued: 3 steps, at buckets 1, 4, 4
+    plans = plans_for(load_pretrained(mini_ckpt).config, tp=2, buckets=(1, 4), every_layer=True)
+    gathers = {b: sum(lp.counts()["collectives"].get("all_gather", 0) for lp in p.layers) for b, p in plans.items()}
+    assert gathers[1] > 0 and r0["counts"]["collective:all_gather"] == gathers[1] + 2 * gathers[4]
     for a, b in zip(r0["logits"], r1["logits"]):
         assert torch.equal(a, b), "ranks disagree on the logits"
     for res in (r0, r1):
