@@ -1,23 +1,22 @@
-"""Which kernel family (and parameters) each dialect op becomes, per batch bucket.
+"""Which kernel family (and parameters) each dialect op becomes, per batch bucket: the label the
+``select_kernels`` pass puts on every node (``@gemv(cores=fma)`` in the graph text) and the plan reports.
 
-One table, read by the ``select_kernels`` pass, the kernel plan and codegen. The thresholds come from
-the measured starting points on the H200 (docs/gpu.md): a one-warp-per-row bf16 GEMV reaches the copy
-ceiling at batch 1 but an FMA-loop GEMV falls to 2.9 TB/s at batch 4, so GEMV is used for buckets 1-2,
-split-K for small batches and tensor cores from there; MXFP4 experts decode in registers and switch to
-``mma.sync`` with dequantised weights (batch as the MMA N dimension) from bucket 4. Benchmarks refine
-these rows; the table is the one place to change them.
+The label names the template family and its bucket-level choice; which template points and how many GPU
+kernels a launch really becomes is codegen's lowering (``codegen.lower_node``, shown per launch by
+``k3compile plan``). The rules here follow the templates': every GEMM op of the decode step is the ``gemv``
+template, an FMA loop below ``gemv.MMA_MIN_BUCKET`` and ``mma.sync`` tensor-core tiles (the batch as the MMA
+N dimension) from there (one-warp-per-row GEMVs fell to 2.9 TB/s at batch 4 on the H200: docs/gpu.md); the
+MXFP4 experts decode their prepacked codes in registers and run ``mma.sync`` m16n8k16 at every bucket
+(``moe_gate_up`` / ``moe_down_combine``), with the router selection a launch of its own from
+``ROUTE_MIN_BUCKET``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from .templates.gemv import MMA_MIN_BUCKET
 from .templates.moe_experts import ROUTE_MIN_BUCKET
-
-GEMV_MAX_BUCKET = 2
-SPLITK_MAX_BUCKET = 16
-MXFP4_GEMV_MAX_BUCKET = 2
 
 
 @dataclass(frozen=True)
@@ -38,28 +37,23 @@ ROW_OPS = {"rms_norm", "add_rms_norm", "attn_res", "attn_res_rms_norm", "situ_gl
            "allreduce_rms_norm", "tp_all_reduce", "tp_all_gather"}
 
 
-def gemm_family(bucket: int, k: int) -> tuple[str, dict]:
-    if bucket <= GEMV_MAX_BUCKET:
-        return "gemv", {"warps_per_row": 1, "vec_bytes": 16}
-    if bucket <= SPLITK_MAX_BUCKET:
-        return "splitk_gemm", {"split_k": max(1, min(8, math.ceil(k / 1024)))}
-    return "wgmma_gemm", {"tile_m": 64, "tile_n": 128, "swap_ab": True}
+def gemm_family(bucket: int) -> tuple[str, dict]:
+    return "gemv", {"cores": "mma.sync" if bucket >= MMA_MIN_BUCKET else "fma"}
 
 
-def choose(op: str, bucket: int, k_dim: int = 0, has_up: bool = False) -> KernelChoice | None:
+def choose(op: str, bucket: int, has_up: bool = False) -> KernelChoice | None:
     """The kernel for one dialect op at ``bucket`` (None for ops that launch nothing, e.g. prefetch hints
     are issued by the kernel before them)."""
     if op in GEMM_OPS:
-        fam, params = gemm_family(bucket, k_dim)
+        fam, params = gemm_family(bucket)
         return KernelChoice(fam, (op,), params)
     if op in ("ffn_tail", "ffn_tail_norm"):
         if has_up:
-            fam, params = gemm_family(bucket, k_dim)
+            fam, params = gemm_family(bucket)
             return KernelChoice(fam, (op,), params)
         return KernelChoice("one_shot_allreduce", (op,))
     if op in ("latent_moe_experts", "routed_experts"):
-        fam = "mxfp4_gemv" if bucket <= MXFP4_GEMV_MAX_BUCKET else "mxfp4_mma"
-        params = {"decode": "prmt_lut"} if fam == "mxfp4_gemv" else {"mma": "m16n8k16", "n": min(64, bucket)}
+        fam, params = "mxfp4_mma", {"decode": "prepacked", "mma": "m16n8k16"}
         route = (f"{op}_route",) if op == "routed_experts" and bucket >= ROUTE_MIN_BUCKET else ()
         return KernelChoice(fam, (*route, f"{op}_gate_up", f"{op}_down_combine"), params)
     if op in ("kda_decode", "kda_decode_fb"):

@@ -5,8 +5,8 @@ The graph does not change shape; each kernel node gets ``meta["k3_kernel"]`` fro
 
     before                                   after
     ------                                   -----
-    fg = k3.front_gemm(y, [...])  # ...      fg = k3.front_gemm(y, [...])  # ... @gemv(vec_bytes=16,...)
-    e  = k3.routed_experts(z, ...)           e  = k3.routed_experts(z, ...)  # ... @mxfp4_gemv(decode=prmt_lut)
+    fg = k3.front_gemm(y, [...])  # ...      fg = k3.front_gemm(y, [...])  # ... @gemv(cores=fma)
+    e  = k3.routed_experts(z, ...)           e  = k3.routed_experts(z, ...)  # ... @mxfp4_mma(decode=prepacked,...)
 """
 
 from __future__ import annotations
@@ -16,14 +16,6 @@ import torch.fx
 from k3compile import dialect
 from k3compile.kernel_table import choose
 from k3compile.pipeline import K3Pass, PassContext, PassResult, Stage, register_pass
-
-from .common import val
-
-
-def _k_dim(node: torch.fx.Node) -> int:
-    x = node.args[0]
-    v = val(x) if isinstance(x, torch.fx.Node) else None
-    return int(v.shape[-1]) if v is not None and hasattr(v, "shape") else 0
 
 
 @register_pass
@@ -38,7 +30,7 @@ class SelectKernels(K3Pass):
                 continue
             op = dialect.op_name(n)
             has_up = op.startswith("ffn_tail") and n.args[3] is not None
-            choice = choose(op, ctx.bucket, _k_dim(n), has_up)
+            choice = choose(op, ctx.bucket, has_up)
             if choice is not None:
                 n.meta["k3_kernel"] = choice
                 count += 1
