@@ -85,6 +85,7 @@ class Row:
     relaid_mb: float = 0.0  # k3compile: this model's weights kept in a kernel's own layout (runtime.relaid_bytes)
     note: str = ""
     kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us", "exposed_us"}] per step
+    planned_kernels: list = dataclasses.field(default_factory=list)  # k3compile: per layer, the plan's kernels
     input_copies: int = -1  # k3compile: torch copies of strided kernel inputs per step (runtime.input_copies)
 
     @property
@@ -122,6 +123,12 @@ def build_model(config, tp: int, device: str = "cuda", seed: int = 0):
 def _floor_us(lowered, model, state, ids, tp: int, bucket: int, context: int, bandwidth: float) -> float:
     """µs to move the bytes one step must move (the kernel plan of this very model's lowered graph, from
     the k3compile run, else from a compile with eager kernels) at the measured bandwidth."""
+    return _plan_figures(lowered, model, state, ids, tp, bucket, context, bandwidth)[0]
+
+
+def _plan_figures(lowered, model, state, ids, tp: int, bucket: int, context: int, bandwidth: float,
+                  emulated: bool = False) -> tuple[float, list]:
+    """``_floor_us``, and the GPU kernels the plan expects per decoder layer (``planned_kernels``)."""
     import k3compile
     from .plan import build_plan
 
@@ -131,7 +138,21 @@ def _floor_us(lowered, model, state, ids, tp: int, bucket: int, context: int, ba
         lowered = step.graphs[bucket]
         torch._dynamo.reset()
     plan = build_plan(lowered, config=model.config, tp=tp, bucket=bucket, context=context)
-    return sum(lp.bytes(bucket) for lp in plan.layers) / bandwidth * 1e6
+    return sum(lp.bytes(bucket) for lp in plan.layers) / bandwidth * 1e6, planned_kernels(plan, emulated)
+
+
+def planned_kernels(plan, emulated: bool) -> list:
+    """Per decoder layer (index = layer), the GPU kernels the plan says the profiler will count for a k3compile
+    row: the templates' kernels, a torch op's kernel, and in one-GPU TP emulation one copy per all-gather (the
+    runtime repeats this rank's shard; the all-reduce is the identity there). Empty under real TP: NCCL's
+    kernels are not modelled."""
+    if plan.tp > 1 and not emulated:
+        return []
+    out = []
+    for lp in sorted((lp for lp in plan.layers if lp.layer >= 0), key=lambda lp: lp.layer):
+        c = lp.counts()
+        out.append(c["gpu_kernels"] + c["torch_ops"] + (c["collectives"].get("all_gather", 0) if emulated else 0))
+    return out
 
 
 ROUNDS = 5  # timing rounds per figure (the median round counts)
@@ -267,10 +288,17 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                         mem0, relaid0 = torch.cuda.memory_allocated(), runtime.relaid_bytes()
                         fn, lowered = _system(system, model, state, ids, b, package, stack)
                         fn()  # compiles (k3compile, Inductor), warms up
+                        if system.startswith("k3compile") and (ctx, b, "planned") not in floors:
+                            floor, floors[ctx, b, "planned"] = _plan_figures(
+                                lowered() if lowered else None, model, state, ids, tp, b, ctx, bw,
+                                emulated=tp > 1 and torchrun_world() == 1)
+                            floors.setdefault((ctx, b), floor)
                         if (ctx, b) not in floors:
                             floors[ctx, b] = _floor_us(lowered() if lowered else None, model, state, ids, tp, b,
                                                        ctx, bw)
                         row.floor_us = floors[ctx, b]
+                        if system.startswith("k3compile"):
+                            row.planned_kernels = floors[ctx, b, "planned"]
                         state.lengths.fill_(ctx)
                         row.us_per_step = _time_steps(fn, steps, reset=lambda: state.lengths.fill_(ctx),
                                                       room=cap - ctx - 8)
@@ -514,7 +542,8 @@ def per_layer(rows: list[Row]) -> list[dict]:
         out.append({"layer": n, "context": ctx, "bucket": b, "system": s,
                     "us": r.us_per_step - prev.us_per_step, "busy_us": busy,
                     "host_bound": host_bound(r) or host_bound(prev), "floor_us": r.floor_us - prev.floor_us,
-                    "launches": r.launches - prev.launches})
+                    "launches": r.launches - prev.launches,
+                    "planned": r.planned_kernels[n - 1] if len(r.planned_kernels) >= n else None})
     return out
 
 
@@ -548,6 +577,11 @@ def table(result: dict) -> str:
             busy = p.get("busy_us")
             gpu = (f"  GPU busy {busy:8.1f} us x{busy / p['floor_us']:5.2f}" if busy is not None else "")
             flag = "  HOST-BOUND: the wall difference measures the host; use GPU busy" if p.get("host_bound") else ""
+            planned = p.get("planned")
+            if planned is not None:  # the profiler's count against the plan's (k3compile plan)
+                flag = (f" (plan {planned})" if planned == p["launches"] else
+                        f" (plan {planned}: MISMATCH, a kernel the plan does not know ran or a planned one did not)"
+                        ) + flag
             lines.append(f"  layer {p['layer']} ctx {p['context']} b{p['bucket']} {p['system']:<16} {p['us']:8.1f} us "
                          f"floor {p['floor_us']:7.1f} us  x{p['us'] / p['floor_us']:5.2f}{gpu}  launches "
                          f"{p['launches']}{flag}")

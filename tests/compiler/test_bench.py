@@ -30,6 +30,36 @@ def test_per_layer_time_is_the_difference_of_depths():
     assert got[3, "k3compile"]["launches"] == 13
 
 
+def test_per_layer_launches_beside_the_plans_kernels():
+    """k3compile rows carry the plan's GPU kernels per layer; the per-layer line shows them beside the
+    profiler's count and flags a difference (a torch copy the plan does not know, a kernel that did not run)."""
+    rows = [_row(1, "k3compile", 100.0, 40.0, 20), _row(2, "k3compile", 250.0, 100.0, 35),
+            _row(3, "k3compile", 390.0, 160.0, 48)]
+    for r in rows:
+        r.planned_kernels = [8, 15, 12][:r.layers]
+    got = {p["layer"]: p for p in bench.per_layer(rows)}
+    assert (got[2]["launches"], got[2]["planned"]) == (15, 15) and (got[3]["launches"], got[3]["planned"]) == (13, 12)
+    text = bench.table({"rows": [dataclasses.asdict(r) for r in rows], "per_layer": list(got.values())})
+    assert "launches 15 (plan 15)" in text and "launches 13 (plan 12: MISMATCH" in text
+    (q,) = bench.per_layer([_row(1, "eager", 900.0, 40.0), _row(2, "eager", 1800.0, 100.0)])
+    assert q["planned"] is None and "plan" not in bench.table({"rows": [], "per_layer": [q]})
+
+
+def test_planned_kernels_per_layer_count_the_emulated_all_gathers():
+    from k3compile.models import k3_mini
+    from k3compile.plan import plans_for
+
+    plan = plans_for(k3_mini(), tp=2, buckets=(1,), every_layer=True)[1]
+    layers = sorted((lp for lp in plan.layers if lp.layer >= 0), key=lambda lp: lp.layer)
+    emulated = bench.planned_kernels(plan, emulated=True)
+    assert len(emulated) == len(layers) == k3_mini().num_hidden_layers
+    for lp, n in zip(layers, emulated):
+        c = lp.counts()
+        assert n == c["gpu_kernels"] + c["collectives"].get("all_gather", 0) and c["gpu_kernels"] >= 8
+    assert any(lp.counts()["collectives"].get("all_gather") for lp in layers)  # the MoE layers' router/latent rows
+    assert bench.planned_kernels(plan, emulated=False) == []  # real TP: NCCL's kernels are not modelled
+
+
 def test_per_layer_gpu_busy_time_and_host_bound_rows():
     # layer 1's step is host-bound (wall 320 us, its kernels busy 206 us): the wall difference says 30 us for
     # layer 2, the busy difference the layer's real 114 us
