@@ -8,8 +8,9 @@ into an event record/wait.
 
 What is *not* a launch: views and tuple unpacking (``getitem``), the AttnRes block bank (``stack`` is a
 view of a preallocated bank that the producing kernel writes), decode-state writes (``copy_``,
-``index_put_`` of a kernel's new state: the kernel writes the state in place), ``prefetch`` (issued by
-the kernel it precedes while that kernel waits for its peers). Every other remaining torch op is listed
+``index_put_`` of a kernel's new state: the kernel writes the state in place), ``prefetch`` (the
+prefetch_weights pass's hint, shown as ``prefetch-hint:`` on the launch it precedes; no kernel issues it yet:
+the runtime drops the node). Every other remaining torch op is listed
 as an unfused ``torch.*`` launch, so a fusion that did not happen shows up in the count.
 
 A launch is one dialect op (or one of the launches it is split into), not one GPU kernel. Each launch also
@@ -170,7 +171,7 @@ class KernelPlan:
                 a = float((l.act_bytes + l.state_bytes).subs(B, b)) / 1e6
                 fl = float(l.flops.subs(B, b)) / 1e9
                 sync = " ".join([f"wait:{e}" for e in l.waits] + [f"record:{e}" for e in l.records]
-                                + ([f"prefetch:{l.prefetch_bytes / 1e6:.1f}MB"] if l.prefetch_bytes else [])
+                                + ([f"prefetch-hint:{l.prefetch_bytes / 1e6:.1f}MB"] if l.prefetch_bytes else [])
                                 + [f"{k.replace('_', '-')}:{n}" for k, n in sorted(l.collectives.items())])
                 lines.append(f"   {i:>2} {l.name:<34} {l.stream:<13} {l.kernels_text()[:30]:<30} {w:>10.3f} "
                              f"{a:>12.4f} {fl:>8.3f}  {sync}")

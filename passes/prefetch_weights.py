@@ -12,6 +12,11 @@ follow it on the main stream, up to a byte budget (default 40 MiB of the H200's 
 Only weights are prefetched, never activations or decode state: an activation read hoisted above a
 synchronisation wait is exactly the bug a compiler once introduced. ``ensures`` checks every
 prefetch argument is a static weight input.
+
+What runs of it today: nothing. The node is a plan-level hint: ``k3compile plan`` shows it on the launch it
+precedes (``prefetch-hint:``), and the kernel runtime drops it (no kernel issues it yet). The form that is
+implemented is the GEMVs' own L2 prefetch before their PDL wait (``codegen --l2-prefetch``), off by default:
+on the H200 it did not pay (BENCHMARKS.md, thirteenth entry).
 """
 
 from __future__ import annotations
