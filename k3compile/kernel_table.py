@@ -42,8 +42,8 @@ def gemm_family(bucket: int) -> tuple[str, dict]:
 
 
 def choose(op: str, bucket: int, has_up: bool = False) -> KernelChoice | None:
-    """The kernel for one dialect op at ``bucket`` (None for ops that launch nothing, e.g. prefetch hints
-    are issued by the kernel before them)."""
+    """The kernel for one dialect op at ``bucket`` (None for ops that launch nothing: the prefetch hints of
+    passes/prefetch_weights, which no kernel issues yet)."""
     if op in GEMM_OPS:
         fam, params = gemm_family(bucket)
         return KernelChoice(fam, (op,), params)
