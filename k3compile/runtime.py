@@ -778,6 +778,120 @@ def _unstack_blocks(graph: torch.fx.Graph) -> None:
             graph.erase_node(src)
 
 
+# ------------------------------------------------------------------------------------------ side streams
+class OnStream:
+    """A binding whose node the plan puts on a side stream (``meta["k3_stream"]``, passes/shared_expert_stream).
+
+    Fork: the side stream first waits for everything the current (main) stream has queued, then the binding's
+    kernels launch on it. Its tensor inputs are recorded on the side stream, so the caching allocator does not
+    hand their memory to later main-stream work before the side kernels are done (inside a CUDA graph capture
+    the allocator keeps such blocks until the capture ends). ``Join`` nodes make the main stream wait for it
+    before the first consumer of its outputs. The side stream's next use is again after a fork, so memory of
+    its outputs, freed on the main stream, is not reused before the main stream has read it.
+
+    ``streams``: ``StreamOps`` (CUDA: torch.cuda streams; the tests pass fakes that log the order)."""
+
+    def __init__(self, binding, stream, streams: "StreamOps"):
+        self.binding, self.stream, self.streams = binding, stream, streams
+        self.__name__ = getattr(binding, "__name__", "k3_side")
+
+    def __repr__(self) -> str:
+        return f"OnStream[{self.binding!r}]"
+
+    def __call__(self, *args, **kwargs):
+        self.stream.wait_stream(self.streams.current())
+        with self.streams.use(self.stream):
+            out = self.binding(*args, **kwargs)
+        flat: list = []
+        torch.fx.node.map_aggregate((args, kwargs), lambda x: flat.append(x) if isinstance(x, torch.Tensor) else x)
+        for t in flat:
+            if t.is_cuda:
+                t.record_stream(self.stream)
+        return out
+
+
+class Join:
+    """The main stream waits for a side stream's work (a node inserted before the first consumer)."""
+
+    def __init__(self, stream, streams: "StreamOps"):
+        self.stream, self.streams = stream, streams
+        self.__name__ = "k3_join"
+
+    def __call__(self):
+        self.streams.current().wait_stream(self.stream)
+
+
+class StreamOps:
+    """The stream operations of ``route_streams``: one side stream per name (made on first use), the current
+    stream, and a context that makes a stream current."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.side: dict = {}
+
+    def stream(self, name: str):
+        if name not in self.side:
+            self.side[name] = torch.cuda.Stream(self.device)
+        return self.side[name]
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+
+def _consumers(node: torch.fx.Node) -> list:
+    """The nodes that read ``node``'s outputs, through tuple ``getitem`` nodes."""
+    out = []
+    for u in node.users:
+        if u.op == "call_function" and u.target is operator.getitem:
+            out += _consumers(u)
+        else:
+            out.append(u)
+    return out
+
+
+_STATE_WRITERS = ("kda_decode_fb", "mla_decode_latent")  # kernel-bound ops that write decode state in place
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether a node writes memory in place: an in-place method (``copy_``, ``index_put_``) or a kernel-bound
+    op that updates decode state."""
+    if node.op == "call_method" and str(node.target).endswith("_"):
+        return True
+    t = node.target.binding if isinstance(node.target, OnStream) else node.target
+    return isinstance(t, (Binding, EagerOp)) and t.op in _STATE_WRITERS
+
+
+def route_streams(graph: torch.fx.Graph, streams: StreamOps) -> list:
+    """Run the nodes the plan puts on a side stream there (see ``OnStream``): each is moved up to just after
+    its last input (so that the main-stream work between, e.g. the routed experts after the MoE front GEMM, is
+    queued after it and overlaps it), unless a node in between writes one of its inputs in place; a ``Join``
+    goes before its first consumer. Returns the routed nodes' names."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    routed = []
+    for node in list(graph.nodes):
+        name = node.meta.get("k3_stream", "main")
+        if name == "main" or node.op != "call_function" or not isinstance(node.target, (Binding, EagerOp)):
+            continue
+        inputs = node.all_input_nodes
+        last = max(inputs, key=order.__getitem__) if inputs else None
+        if last is not None and last.op != "placeholder" and not any(
+                _writes(n) for n in graph.nodes if order[last] < order[n] < order[node]):
+            last.append(node)
+        stream = streams.stream(name)
+        node.target = OnStream(node.target, stream, streams)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        consumers = _consumers(node)
+        if consumers:
+            with graph.inserting_before(min(consumers, key=order.__getitem__)):
+                graph.call_function(Join(stream, streams), ())
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        routed.append(node.name)
+    return routed
+
+
 # ------------------------------------------------------------------------------------------- dispatcher
 class KernelDispatcher:
     """What the backend hands Dynamo on the kernel runtime: bucket lookup, padding, CUDA graphs.
@@ -814,6 +928,15 @@ class KernelDispatcher:
                 b.shadow = self.shadow
                 b.oneshot_max_bytes = options.oneshot_max_bytes
         self.use_graphs = bool(options.cuda_graphs) and self.device.type == "cuda" and not self.shadow
+        self.side_streams: dict = {}  # bucket -> the nodes run on a side stream (options.side_streams)
+        if options.side_streams:
+            if self.device.type != "cuda":
+                raise RuntimeError_(f"side_streams=True runs the plan's side-stream kernels on CUDA streams; the step "
+                                    f"runs on {self.device}. Fix: leave side_streams off off the GPU")
+            streams = StreamOps(self.device)
+            for b, bg in self.bound.items():
+                self.side_streams[b] = route_streams(bg.gm.graph, streams)
+                bg.gm.recompile()
         self.calls: dict[int, int] = {b: 0 for b in self.buckets}
         self._graphs: dict = {}  # (bucket, state pointers) -> (CUDAGraph, static tokens, outputs, launches)
         self._warm: set = set()

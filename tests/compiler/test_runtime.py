@@ -13,6 +13,7 @@ arithmetic; measured at most ~4e-3). Whole-model logits are not compared: on a r
 are the precise test and end-to-end agreement is checked on the GPU with the real kernels.
 """
 
+import contextlib
 import gc
 
 import pytest
@@ -458,3 +459,71 @@ def test_weights_in_a_kernel_layout_are_converted_once_and_kept_with_the_weight(
     w = None
     gc.collect()
     assert runtime.relaid_bytes() == before  # the copies live and die with their weight
+
+
+class _FakeStreams:
+    """runtime.StreamOps on the CPU: streams are names, and every fork / switch / join is logged in order."""
+
+    class Stream:
+        def __init__(self, name, log):
+            self.name, self.log = name, log
+
+        def wait_stream(self, other):
+            self.log.append(("wait", self.name, other.name))
+
+    def __init__(self):
+        self.log, self.side = [], {}
+        self.main = self.Stream("main", self.log)
+        self.now = self.main
+
+    def stream(self, name):
+        return self.side.setdefault(name, self.Stream(name, self.log))
+
+    def current(self):
+        return self.now
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        before, self.now = self.now, stream
+        self.log.append(("launch on", stream.name))
+        try:
+            yield
+        finally:
+            self.now = before
+
+
+def test_side_stream_nodes_fork_after_their_inputs_and_join_before_their_consumer(mini_model):
+    """runtime.route_streams (options.side_streams, CUDA only): the shared expert's down-projection (the plan's
+    side stream) moves up to just after the MoE front GEMM, so the routed experts queue after it; it runs after
+    a fork from the main stream and the main stream joins it before the FFN tail reads it. Same logits."""
+    step = _compile(mini_model, (1,))
+    with one_thread():
+        want = step(torch.tensor([7]), mini_model.new_state(1, 16))
+    bg = step.dispatchers[-1].bound[1]
+    streams = _FakeStreams()
+    routed = runtime.route_streams(bg.gm.graph, streams)
+    bg.gm.recompile()
+    moe_layers = sum(mini_model.config.is_moe_layer(i) for i in range(mini_model.config.num_hidden_layers))
+    assert len(routed) == moe_layers
+    nodes = list(bg.gm.graph.nodes)
+    for name in routed:
+        side = next(n for n in nodes if n.name == name)
+        assert isinstance(side.target, runtime.OnStream) and side.target.binding.op == "situ_linear"
+        assert nodes.index(side) == 1 + max(nodes.index(i) for i in side.all_input_nodes)  # right after its input
+        after = nodes[nodes.index(side):]
+        # the layer's routed experts are now queued after it; a Join precedes its consumer, the FFN tail
+        experts = next(n for n in after if isinstance(n.target, runtime.Binding) and n.target.op == "routed_experts")
+        join = next(n for n in after if isinstance(n.target, runtime.Join))
+        tail = next(n for n in after if isinstance(n.target, runtime.Binding) and n.target.op.startswith("ffn_tail"))
+        assert nodes.index(experts) < nodes.index(join) < nodes.index(tail)
+        assert side in tail.all_input_nodes or any(side in i.all_input_nodes for i in tail.all_input_nodes)
+    with one_thread():
+        got = step(torch.tensor([7]), mini_model.new_state(1, 16))
+    assert torch.equal(got, want)
+    per_layer = [("wait", "shared_expert", "main"), ("launch on", "shared_expert"), ("wait", "main", "shared_expert")]
+    assert streams.log == per_layer * moe_layers
+
+
+def test_side_streams_off_the_gpu_is_a_clear_error(mini_model):
+    with pytest.raises(RuntimeError, match="side_streams=True runs the plan's side-stream kernels on CUDA"):
+        _compile(mini_model, (1,), side_streams=True)(torch.tensor([7]), mini_model.new_state(1, 16))

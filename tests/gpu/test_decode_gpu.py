@@ -9,7 +9,8 @@ DIR``); the states are allocated at the package's capacity (``max_context`` of i
   (1, 3 padded into 4, 8, 64), tolerance 2e-2 relative per node; the coverage proof (every planned
   kernel launched as often as the steps need, no eager fallback);
 * CUDA graphs: replays after the tokens, the state and the batch changed give bit for bit what the same
-  kernels give without graphs (no stale pointers or values in a captured graph);
+  kernels give without graphs (no stale pointers or values in a captured graph); the same with the plan's
+  side stream (``side_streams=True``) against one stream;
 * end-to-end, against the float64 model (the exact math): teacher-forced for 256 steps, the compiled
   step's logit error and top-1 agreement must be no worse than eager bf16's; free-running greedy, the
   compiled tokens must follow float64's at least as long as eager bf16's do.
@@ -86,6 +87,28 @@ def test_graph_replay_after_inputs_state_and_batch_changed(model, decode_package
         for x, y in zip(sa.tensors(), sb.tensors()):
             assert torch.equal(x, y), f"step {i}: state after a replay differs"
     assert graphs.dispatchers[-1].use_graphs and len(graphs.dispatchers[-1]._graphs) == 3
+
+
+def test_side_stream_gives_the_same_steps_and_covers_the_plan(model, decode_package):
+    """options.side_streams: the shared expert's down-projection on a second stream (forked after the MoE
+    front GEMM, joined before the FFN tail) inside the CUDA graphs gives bit for bit the one-stream step, over
+    steps whose tokens, state and batch change, and every planned kernel ran (launch counters)."""
+    runtime.reset_launch_counts()
+    side = _compile(model, decode_package, (1, 4, 8), side_streams=True)
+    one = _compile(model, decode_package, (1, 4, 8))
+    cap = decode_package[1]
+    sa, sb = model.new_state(8, cap), model.new_state(8, cap)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for i, batch in enumerate([1, 1, 1, 3, 8, 8, 2, 4, 1, 8]):
+        ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda", generator=g)
+        a, b = side(ids, sa), one(ids, sb)
+        assert torch.equal(a, b), f"step {i} (batch {batch}): the side-stream step differs"
+        for x, y in zip(sa.tensors(), sb.tensors()):
+            assert torch.equal(x, y), f"step {i}: state differs"
+    d = side.dispatchers[-1]
+    moe = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    assert d.use_graphs and all(len(d.side_streams[b]) == moe for b in (1, 4, 8))
+    assert d.coverage()["problems"] == [] and runtime.eager_fallbacks() == {}
 
 
 def _rel(a, b) -> float:
