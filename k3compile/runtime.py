@@ -867,8 +867,9 @@ def _writes(node: torch.fx.Node) -> bool:
 def route_streams(graph: torch.fx.Graph, streams: StreamOps) -> list:
     """Run the nodes the plan puts on a side stream there (see ``OnStream``): each is moved up to just after
     its last input (so that the main-stream work between, e.g. the routed experts after the MoE front GEMM, is
-    queued after it and overlaps it), unless a node in between writes one of its inputs in place; a ``Join``
-    goes before its first consumer. Returns the routed nodes' names."""
+    queued after it and overlaps it), unless a node in between writes memory in place (``_writes``: then it
+    stays where it is, still on the side stream); a ``Join`` goes before its first consumer. Returns the routed
+    nodes' names."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     routed = []
     for node in list(graph.nodes):
@@ -932,7 +933,7 @@ class KernelDispatcher:
         if options.side_streams:
             if self.device.type != "cuda":
                 raise RuntimeError_(f"side_streams=True runs the plan's side-stream kernels on CUDA streams; the step "
-                                    f"runs on {self.device}. Fix: leave side_streams off off the GPU")
+                                    f"runs on {self.device}. Fix: run it on a CUDA device, or leave side_streams off")
             streams = StreamOps(self.device)
             for b, bg in self.bound.items():
                 self.side_streams[b] = route_streams(bg.gm.graph, streams)
