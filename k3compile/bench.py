@@ -290,13 +290,10 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                         fn, lowered = _system(system, model, state, ids, b, package, stack)
                         fn()  # compiles (k3compile, Inductor), warms up
                         if system.startswith("k3compile") and (ctx, b, "planned") not in floors:
+                            # the plan of the graph this row runs (a baseline row before it may have set the floor)
                             floor, floors[ctx, b, "planned"] = _plan_figures(
-                                lowered() if lowered else None, model, state, ids, tp, b, ctx, bw,
-                                emulated=tp > 1 and torchrun_world() == 1)
+                                lowered(), model, state, ids, tp, b, ctx, bw, emulated=tp > 1 and torchrun_world() == 1)
                             floors.setdefault((ctx, b), floor)
-                        if (ctx, b) not in floors:
-                            floors[ctx, b] = _floor_us(lowered() if lowered else None, model, state, ids, tp, b,
-                                                       ctx, bw)
                         row.floor_us = floors[ctx, b]
                         if system.startswith("k3compile"):
                             row.planned_kernels = floors[ctx, b, "planned"]
