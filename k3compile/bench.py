@@ -50,15 +50,16 @@ from .kernel_check import measure_copy_bandwidth
 
 # Every system, in the order run_model runs them: k3compile first (its lowered graph gives the floor),
 # Inductor last (see run_model)
-SYSTEMS = ("k3compile", "k3compile-nccl", "k3compile-streams", "eager", "eager-bf16", "eager-graph", "eager-bf16-graph",
-           "inductor")
+SYSTEMS = ("k3compile", "k3compile-nccl", "k3compile-one-stream", "eager", "eager-bf16", "eager-graph",
+           "eager-bf16-graph", "inductor")
 # Every single-GPU baseline beside k3compile (k3compile-nccl only differs under torchrun): run()'s default, and
 # the CLI's --systems default
 DEFAULT_SYSTEMS = ("eager", "eager-bf16", "eager-graph", "eager-bf16-graph", "inductor", "k3compile")
 SYSTEMS_HELP = ("comma-separated: eager (MXFP4 experts dequantised on the fly), eager-bf16 (experts pre-dequantised "
                 "to bf16), eager-graph and eager-bf16-graph (the same inside one CUDA graph), inductor, k3compile, "
                 "k3compile-nccl (TP > 1: NCCL all-reduce before the residual kernels instead of their one-shot "
-                "all-reduce), k3compile-streams (the plan's side stream on a second CUDA stream: side_streams=True)")
+                "all-reduce), k3compile-one-stream (every kernel on one CUDA stream, side_streams=False; k3compile "
+                "runs the plan's side-stream kernels on a second stream)")
 
 
 def check_systems(systems) -> tuple:
@@ -378,15 +379,15 @@ def _system(system: str, model, state, ids, bucket: int, package: str | None, st
         torch._dynamo.reset()
         f = torch.compile(model.decode, dynamic=False)
         return (lambda: f(ids, state)), None
-    if system in ("k3compile", "k3compile-nccl", "k3compile-streams"):
+    if system in ("k3compile", "k3compile-nccl", "k3compile-one-stream"):
         if not package:
             raise RuntimeError("no --package: k3compile's kernels come from a prebuilt package on the GPU host")
         torch._dynamo.reset()
         opts = {"kernels": f"package:{package}", "check_inputs": False}
         if system == "k3compile-nccl":  # NCCL all-reduces before the residual kernels instead of one-shot
             opts["oneshot_max_bytes"] = 0
-        if system == "k3compile-streams":
-            opts["side_streams"] = True
+        if system == "k3compile-one-stream":
+            opts["side_streams"] = False
         step = k3compile.compile(model, buckets=(bucket,), options=opts)
         return (lambda: step(ids, state)), lambda: step.dispatchers[-1].lowered[bucket]
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
@@ -619,7 +620,7 @@ def main(args) -> int:
 
 COLORS = {"eager": (214, 39, 40), "eager-bf16": (148, 103, 189), "eager-graph": (227, 119, 194),
           "eager-bf16-graph": (140, 86, 75), "inductor": (255, 127, 14), "k3compile": (31, 119, 180),
-          "k3compile-nccl": (44, 160, 44), "k3compile-streams": (23, 190, 207)}
+          "k3compile-nccl": (44, 160, 44), "k3compile-one-stream": (23, 190, 207)}
 
 
 def plot(result: dict, path: str, *, layers: int | None = None, context: int | None = None) -> None:

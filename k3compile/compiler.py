@@ -50,9 +50,10 @@ class Options:
     # one rank's message is at most this many bytes; above it (or with 0) NCCL all-reduces before them
     oneshot_max_bytes: int = 1 << 20
     # run the kernels the plan puts on a side stream (the shared expert's down-projection) on a second CUDA
-    # stream, forked after their inputs and joined before their first consumer (runtime.route_streams). Off by
-    # default until measured on the H200: every kernel then runs on one stream in graph order
-    side_streams: bool = False
+    # stream, forked after their inputs and joined before their first consumer (runtime.route_streams).
+    # None: on for a CUDA step (not in shadow mode, which compares every node on one stream), off elsewhere;
+    # False: every kernel on one stream in graph order; True: on, and an error off CUDA
+    side_streams: bool | None = None
 
     @classmethod
     def make(cls, options: "Options | dict | None" = None, **kw) -> "Options":

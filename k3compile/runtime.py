@@ -930,10 +930,14 @@ class KernelDispatcher:
                 b.oneshot_max_bytes = options.oneshot_max_bytes
         self.use_graphs = bool(options.cuda_graphs) and self.device.type == "cuda" and not self.shadow
         self.side_streams: dict = {}  # bucket -> the nodes run on a side stream (options.side_streams)
-        if options.side_streams:
+        side = options.side_streams
+        if side is None:  # default: on for a CUDA step, except in shadow mode
+            side = self.device.type == "cuda" and not self.shadow
+        if side:
             if self.device.type != "cuda":
                 raise RuntimeError_(f"side_streams=True runs the plan's side-stream kernels on CUDA streams; the step "
-                                    f"runs on {self.device}. Fix: run it on a CUDA device, or leave side_streams off")
+                                    f"runs on {self.device}. Fix: run it on a CUDA device, or leave side_streams at None (the "
+                                    f"default: a second stream on CUDA only) or False")
             streams = StreamOps(self.device)
             for b, bg in self.bound.items():
                 self.side_streams[b] = route_streams(bg.gm.graph, streams)

@@ -9,8 +9,8 @@ DIR``); the states are allocated at the package's capacity (``max_context`` of i
   (1, 3 padded into 4, 8, 64), tolerance 2e-2 relative per node; the coverage proof (every planned
   kernel launched as often as the steps need, no eager fallback);
 * CUDA graphs: replays after the tokens, the state and the batch changed give bit for bit what the same
-  kernels give without graphs (no stale pointers or values in a captured graph); the same with the plan's
-  side stream (``side_streams=True``) against one stream;
+  kernels give without graphs (no stale pointers or values in a captured graph); the plan's side stream
+  (``side_streams``, on by default on CUDA) against one stream;
 * end-to-end, against the float64 model (the exact math): teacher-forced for 256 steps, the compiled
   step's logit error and top-1 agreement must be no worse than eager bf16's; free-running greedy, the
   compiled tokens must follow float64's at least as long as eager bf16's do.
@@ -75,8 +75,8 @@ def test_kernels_match_eager_ops_per_node_and_cover_the_plan(model, decode_packa
 
 
 def test_graph_replay_after_inputs_state_and_batch_changed(model, decode_package):
-    graphs = _compile(model, decode_package, (1, 4, 8))
-    plain = _compile(model, decode_package, (1, 4, 8), cuda_graphs=False)
+    graphs = _compile(model, decode_package, (1, 4, 8))  # (with the side stream: on by default on CUDA)
+    plain = _compile(model, decode_package, (1, 4, 8), cuda_graphs=False, side_streams=False)
     cap = decode_package[1]
     sa, sb = model.new_state(8, cap), model.new_state(8, cap)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -90,12 +90,13 @@ def test_graph_replay_after_inputs_state_and_batch_changed(model, decode_package
 
 
 def test_side_stream_gives_the_same_steps_and_covers_the_plan(model, decode_package):
-    """options.side_streams: the shared expert's down-projection on a second stream (forked after the MoE
-    front GEMM, joined before the FFN tail) inside the CUDA graphs gives bit for bit the one-stream step, over
-    steps whose tokens, state and batch change, and every planned kernel ran (launch counters)."""
+    """options.side_streams (default on CUDA): the shared expert's down-projection on a second stream (forked
+    after the MoE front GEMM, joined before the FFN tail) inside the CUDA graphs gives bit for bit the
+    one-stream step (side_streams=False), over steps whose tokens, state and batch change, and every planned
+    kernel ran (launch counters)."""
     runtime.reset_launch_counts()
-    side = _compile(model, decode_package, (1, 4, 8), side_streams=True)
-    one = _compile(model, decode_package, (1, 4, 8))
+    side = _compile(model, decode_package, (1, 4, 8))
+    one = _compile(model, decode_package, (1, 4, 8), side_streams=False)
     cap = decode_package[1]
     sa, sb = model.new_state(8, cap), model.new_state(8, cap)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -108,6 +109,7 @@ def test_side_stream_gives_the_same_steps_and_covers_the_plan(model, decode_pack
     d = side.dispatchers[-1]
     moe = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
     assert d.use_graphs and all(len(d.side_streams[b]) == moe for b in (1, 4, 8))
+    assert one.dispatchers[-1].side_streams == {}
     assert d.coverage()["problems"] == [] and runtime.eager_fallbacks() == {}
 
 
