@@ -1,16 +1,19 @@
-"""The compiled decode step at real K3 shapes on one GPU: the first 2 layers of K3 (the dense layer, then
-KDA + latent MoE with 896 MXFP4 experts) as rank 0 of TP 8, random weights at real dimensions.
+"""The compiled decode step at real K3 shapes on one GPU: the first layers of K3 (2: the dense layer, then
+KDA + latent MoE with 896 MXFP4 experts; 4: also a second KDA + MoE layer and a gated-MLA + MoE layer) as
+rank 0 of TP 8, random weights at real dimensions; as many layers as the package was built for.
 
 TP 8 is emulated on one GPU (a fake process group): all-reduces are the identity and all-gathers
 replicate the local shard, in the eager model and in the compiled step alike, so both compute the same
 function of rank 0's shard and can be compared. ``K3_SLICE_PACKAGE`` names a package built on a CPU
-machine: ``k3compile codegen --config slice:2 --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR``.
+machine: ``k3compile codegen --config slice:N --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR``
+(N = 2 to 4).
 
 * per node: every dialect node's kernels against its eager op on the same inputs (shadow), batch 1 and
   13 padded into bucket 16, relative error <= 2e-2; coverage proof clean, no eager fallback;
 * end to end: 256 steps through the CUDA graphs against the same lowered graph run through the K3
   dialect's eager ops, teacher-forced on the latter's greedy tokens: median logit error <= 2e-2, top-1
-  agreement >= 0.95; the launch counters show every planned kernel ran on every step.
+  agreement >= 0.94; the launch counters show every planned kernel ran on every step, and the shared
+  expert ran on its side stream (on by default on CUDA) in every MoE layer.
 
 Why the end-to-end reference is the eager *graph*, not ``model.decode``: under emulation the two compute
 different functions. ``shard_routing`` computes the router and the latent down-projection as rank-local
@@ -39,23 +42,30 @@ SHADOW_TOL = 2e-2
 
 
 @pytest.fixture(scope="module")
-def slice_model():
-    from k3compile.bench import build_model
-    from k3compile.models import k3_slice
-
-    return build_model(k3_slice(2), TP)  # fake process group of 8, rank 0's shard
-
-
-@pytest.fixture(scope="module")
-def slice_package() -> tuple[str, int]:
+def slice_package() -> tuple[str, int, int]:
+    """(package path, its max_context, the layers of the slice it was built for)."""
     import json
 
     path = os.environ.get("K3_SLICE_PACKAGE")
     if not path:
         pytest.fail("K3_SLICE_PACKAGE is not set: build it on a CPU machine with `k3compile codegen --config "
-                    "slice:2 --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR`")
+                    "slice:N --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR` (N = 2 to 4)")
     with open(os.path.join(path, "manifest.json")) as fh:
-        return path, json.load(fh)["max_context"]
+        man = json.load(fh)
+    config = str(man["config"])
+    if not config.startswith("slice") or man["tp"] != [TP] or not {1, 16} <= set(man["buckets"]):
+        pytest.fail(f"K3_SLICE_PACKAGE={path} was built for {config}, TP {man['tp']}, buckets {man['buckets']}; "
+                    f"these tests need a K3 slice at TP {TP} with buckets 1 and 16 (`k3compile codegen --config "
+                    f"slice:N --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR`)")
+    return path, man["max_context"], int(config.removeprefix("slice").removeprefix(":"))
+
+
+@pytest.fixture(scope="module")
+def slice_model(slice_package):
+    from k3compile.bench import build_model
+    from k3compile.models import k3_slice
+
+    return build_model(k3_slice(slice_package[2]), TP)  # fake process group of 8, rank 0's shard
 
 
 def _compile(model, package, bucket, **options):
@@ -64,12 +74,12 @@ def _compile(model, package, bucket, **options):
 
 
 @pytest.fixture(scope="module")
-def margin_model():
+def margin_model(slice_package):
     """Another random slice whose MoE layers route every token to the same 16 experts by a clear margin."""
     from k3compile.bench import build_model
     from k3compile.models import k3_slice
 
-    model = build_model(k3_slice(2), TP, seed=1)
+    model = build_model(k3_slice(slice_package[2]), TP, seed=1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
@@ -121,5 +131,7 @@ def test_real_shape_256_steps_follow_the_eager_graph(margin_model, slice_package
     assert med <= 2e-2 and top1 >= 0.94, (med, top1)
     d = step.dispatchers[-1]
     assert d.use_graphs and d.calls[bucket] == 256
+    moe = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    assert moe >= 1 and len(d.side_streams[bucket]) == moe, (moe, d.side_streams)
     cov = d.coverage()
     assert cov["problems"] == [] and runtime.eager_fallbacks() == {}, cov["problems"]
