@@ -17,7 +17,8 @@ M / RB: two rows per CTA from batch 2 unless the point sets ``combine_rows`` (1,
 head (four at K3), each merging a share of the partials' columns) that merges the partials and applies W_uv and
 the sigmoid output gate. The examples ``k3tp8_b64_r4`` / ``_r8`` are batch 64 with 4 and 8 rows per combine CTA:
 a quarter / an eighth of the default's 1,536 CTAs (2.3 waves at five 42 KB CTAs per SM), each staging its
-32 KB of W_uv once for more rows; not yet measured, so the default stays two.
+32 KB of W_uv once for more rows; on the H200 four rows took 284.9 µs alone against the default's 281.3
+(``BENCHMARKS.md``, eighteenth entry), so the default stays two.
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
 ``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
