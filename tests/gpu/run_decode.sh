@@ -5,15 +5,15 @@
 #   here (any CPU machine):
 #     k3compile codegen --config checkpoints/k3_mini_text/config.json --tp 1 --max-context 4096 --package -o .gpu/text
 #     k3compile codegen --config k3_mini --tp 1 --package -o .gpu/mini                  # for the bench stage
-#     k3compile codegen --config slice:2 --tp 8 --buckets 1,16 --max-context 4096 --package -o .gpu/slice2tp8
+#     k3compile codegen --config slice:4 --tp 8 --buckets 1,16 --max-context 4096 --package -o .gpu/slice4tp8
 #                                                                                       # for the shapes stage
 #   there:
-#     bash tests/gpu/run_decode.sh .gpu/text [.gpu/mini] [.gpu/slice2tp8]
+#     bash tests/gpu/run_decode.sh .gpu/text [.gpu/mini] [.gpu/slice4tp8]
 #     (STAGES="tests verify bench" by default; "shapes" runs tests/gpu/test_real_shapes_gpu.py)
 set -uo pipefail
 PKG=${1:-.gpu/text}
 BENCH_PKG=${2:-.gpu/mini}
-SLICE_PKG=${3:-.gpu/slice2tp8}
+SLICE_PKG=${3:-.gpu/slice4tp8}
 STAGES=${STAGES:-tests verify bench}
 pkgs=("$PKG")
 [[ " $STAGES " == *" bench "* ]] && pkgs+=("$BENCH_PKG")
