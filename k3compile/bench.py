@@ -548,6 +548,82 @@ def per_layer(rows: list[Row]) -> list[dict]:
     return out
 
 
+CONTEXT_BYTES = ("mla_decode_",)  # kernels whose manifest bytes assume the package's full context
+KERNEL_NAME = re.compile(r"k3kernel_([a-z][a-z0-9_]*?)_([0-9a-f]{10})")
+
+
+def kernel_id(name: str) -> str:
+    """A profiler kernel name as its package kernel name (template and source hash, ``gemv_ea74823ffa``: the
+    key of the package's ``manifest.json``), or the first 60 characters of a kernel that is not ours."""
+    m = KERNEL_NAME.search(name)
+    return f"{m[1]}_{m[2]}" if m else name[:60]
+
+
+def layer_kernels(rows: list[Row], layer: int, context: int, bucket: int, system: str,
+                  manifest: dict | None = None, bandwidth: float | None = None) -> list[dict]:
+    """What each kernel adds to the ``layer``-th layer: T(first n layers) - T(first n-1) of its exposed µs,
+    start-to-end µs and calls per step (profiled rows of the same context, bucket and system), largest exposed
+    first; the exposed µs add up to the layer's GPU busy time but for the kernels left out (those whose calls do
+    not change and whose exposed time moves by less than 0.05 µs). With the package's ``manifest`` (a dict) each
+    of our kernels also gets its constants (``point``: M, N, K where it has them), the bytes its calls in the
+    layer move and their floor at ``bandwidth`` (bytes / s)."""
+    by = {(r.layers, r.context, r.bucket, r.system): r for r in rows if r.kernels}
+    cur, prev = by.get((layer, context, bucket, system)), by.get((layer - 1, context, bucket, system))
+    if cur is None or prev is None:
+        have = sorted({(r.layers, r.context, r.bucket, r.system) for r in rows if r.kernels})
+        raise ValueError(f"layer {layer} at context {context}, batch {bucket}, {system}: needs profiled rows of "
+                         f"{layer - 1} and {layer} layers (this JSON has {have}); run `k3compile bench --layers "
+                         f"{layer - 1},{layer}`")
+    acc: dict = {}
+    for sign, r in ((1.0, cur), (-1.0, prev)):
+        for k in r.kernels:
+            e = acc.setdefault(kernel_id(k["name"]), {"exposed_us": 0.0, "us": 0.0, "calls": 0.0})
+            for f in e:
+                e[f] += sign * k[f]
+    kernels = manifest.get("kernels", {}) if manifest else {}
+    out = []
+    for name, e in acc.items():
+        if abs(e["calls"]) < 1e-9 and abs(e["exposed_us"]) < 0.05:
+            continue
+        row = {"kernel": name, **e}
+        k = kernels.get(name)
+        if k is not None:
+            c = k.get("constants", {})
+            row["point"] = " ".join(f"{x}={c[x]}" for x in ("M", "N", "K") if x in c)
+            # a call of the template launches one GPU kernel per PTX entry (the MLA decode: three), each counted
+            # by the profiler; the manifest's bytes are per call. The MLA decode's count the cache at the
+            # package's capacity, not the run's context: no floor for it here (the plan has it)
+            ops = e["calls"] / max(1, len(k.get("audit", {}).get("entries", [])) or 1)
+            if ops > 0 and not name.startswith(CONTEXT_BYTES):
+                row["bytes"] = k["bytes"] * ops
+                if bandwidth:
+                    row["floor_us"] = row["bytes"] / bandwidth * 1e6
+        out.append(row)
+    out.sort(key=lambda k: -k["exposed_us"])
+    return out
+
+
+def layer_kernels_table(result: dict, manifest: dict | None = None) -> str:
+    """``layer_kernels`` of every per-layer entry of a k3compile system, as text."""
+    rows, bw = rows_of(result), result.get("bandwidth")
+    lines = []
+    for p in result.get("per_layer", []):
+        if not p["system"].startswith("k3compile") or p.get("busy_us") is None:
+            continue
+        lines.append(f"layer {p['layer']} ctx {p['context']} b{p['bucket']} {p['system']}: GPU busy "
+                     f"{p['busy_us']:.1f} us, floor {p['floor_us']:.1f} us (exposed us; start-to-end us; calls; "
+                     f"and with --package the kernel's point, MB and floor)")
+        for k in layer_kernels(rows, p["layer"], p["context"], p["bucket"], p["system"], manifest, bw):
+            extra = f"  {k['point']:<22}" if "point" in k else ""
+            if "bytes" in k:
+                extra += f" {k['bytes'] / 1e6:8.2f} MB"
+            if k.get("floor_us", 0) >= 0.5:  # (below that the ratio only says the kernel is latency-bound)
+                extra += f"  floor {k['floor_us']:7.1f} us  x{k['exposed_us'] / k['floor_us']:5.2f}"
+            line = f"  {k['exposed_us']:8.1f} {k['us']:8.1f}  x{k['calls']:<3g} {k['kernel']:<44}{extra}"
+            lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
 def _fmt(r: Row) -> str:
     return (f"{r.config:<10} L{r.layers:<3} tp{r.tp} ctx {r.context:>6} b{r.bucket:<3} {r.system:<16} "
             f"{r.us_per_step:>10.1f} us  floor {r.floor_us:>8.1f} us  x{r.x_floor:>6.2f}  launches {r.launches:>5}  "

@@ -106,8 +106,9 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_plot(args) -> int:
     import json
+    import os
 
-    from .bench import per_layer, plot, refloor, rows_of, table
+    from .bench import layer_kernels_table, per_layer, plot, refloor, rows_of, table
 
     with open(args.json) as fh:
         res = json.load(fh)
@@ -119,6 +120,12 @@ def cmd_bench_plot(args) -> int:
             json.dump(res, fh, indent=1)
         print(f"wrote {args.save}")
     print(table(res))
+    if args.by_kernel:
+        manifest = None
+        if args.package:
+            with open(os.path.join(args.package, "manifest.json")) as fh:
+                manifest = json.load(fh)
+        print("\nper layer, per kernel (T(n layers) - T(n-1 layers)):\n" + layer_kernels_table(res, manifest))
     plot(res, args.png, layers=args.layers, context=args.context)
     print(f"wrote {args.png}")
     return 0
@@ -201,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recompute every row's floor with this checkout's kernel plan (same bandwidth): for a JSON "
                          "whose floors came from an older byte model")
     bp.add_argument("--save", help="also write the (recomputed) results to this JSON")
+    bp.add_argument("--by-kernel", action="store_true",
+                    help="also print what each kernel adds to every k3compile layer (exposed µs, calls)")
+    bp.add_argument("--package", help="with --by-kernel: the package the run used (its manifest names each "
+                                      "kernel's point and bytes: a floor per kernel); the deepest slice's package")
     bp.set_defaults(func=cmd_bench_plot)
     from . import bench  # its system names (imports torch; the CLI does already)
 

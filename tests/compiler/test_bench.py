@@ -94,6 +94,43 @@ def test_bench_plot_prints_the_table_with_gpu_busy_layers(tmp_path, capsys):
     assert "layer 2 ctx 1024 b1 k3compile" in out and "GPU busy    190.0 us" in out and "HOST-BOUND" in out
 
 
+def test_layer_kernels_split_the_layers_busy_time_by_kernel(tmp_path, capsys):
+    """bench-plot --by-kernel on a recorded H200 run: per layer, each kernel's share of the GPU busy time
+    (T(4) - T(3) of its exposed µs) adds up to the layer's busy time (but for kernels that barely move); with a
+    manifest, our kernels get their point, bytes per call times the layer's calls (one call of a template = its
+    PTX entries' launches) and a floor at the run's bandwidth; the MLA decode's cache bytes assume the package's
+    capacity, so no floor."""
+    path = os.path.join(ROOT, "benchmarks", "bench_slice_mla_streams_tp8_h200_2026-12-03.json")
+    with open(path) as fh:
+        res = json.load(fh)
+    rows = bench.rows_of(res)
+    layer = next(p for p in bench.per_layer(rows)
+                 if (p["context"], p["bucket"], p["system"]) == (1024, 1, "k3compile"))
+    manifest = {"kernels": {
+        "gemv_ea74823ffa": {"bytes": 52_322_304, "constants": {"M": 1, "N": 3648, "K": 7168},
+                            "audit": {"entries": [{}]}},
+        "mla_decode_53dd4a4932": {"bytes": 40_908_552, "constants": {"M": 1}, "audit": {"entries": [{}, {}, {}]}}}}
+    ks = bench.layer_kernels(rows, 4, 1024, 1, "k3compile", manifest, res["bandwidth"])
+    by = {k["kernel"]: k for k in ks}
+    assert abs(sum(k["exposed_us"] for k in ks) - layer["busy_us"]) < 0.5  # (moves under 0.05 µs left out)
+    assert [k["exposed_us"] for k in ks] == sorted((k["exposed_us"] for k in ks), reverse=True)
+    front = by["gemv_ea74823ffa"]
+    assert front["calls"] == 1 and front["point"] == "M=1 N=3648 K=7168" and front["bytes"] == 52_322_304
+    assert front["floor_us"] == pytest.approx(52_322_304 / res["bandwidth"] * 1e6)
+    mla = by["mla_decode_53dd4a4932"]
+    assert mla["calls"] == 3 and "bytes" not in mla and "floor_us" not in mla
+    assert "moe_gate_up_5f27ca91aa" in by and "point" not in by["moe_gate_up_5f27ca91aa"]  # not in the manifest
+    with pytest.raises(ValueError, match="needs profiled rows of 4 and 5 layers"):
+        bench.layer_kernels(rows, 5, 1024, 1, "k3compile")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["bench-plot", path, str(tmp_path / "b.png"), "--by-kernel", "--package", str(pkg)]) == 0
+    out = capsys.readouterr().out
+    assert "layer 4 ctx 32000 b64 k3compile-one-stream: GPU busy" in out
+    assert any("gemv_ea74823ffa" in ln and "M=1 N=3648 K=7168" in ln and "floor" in ln for ln in out.splitlines())
+
+
 def test_plot_of_the_recorded_benchmark(tmp_path):
     with open(os.path.join(ROOT, "benchmarks", "bench_mini_tp1_2026-11-29.json")) as fh:
         res = json.load(fh)
