@@ -936,8 +936,8 @@ class KernelDispatcher:
         if side:
             if self.device.type != "cuda":
                 raise RuntimeError_(f"side_streams=True runs the plan's side-stream kernels on CUDA streams; the step "
-                                    f"runs on {self.device}. Fix: run it on a CUDA device, or leave side_streams at None (the "
-                                    f"default: a second stream on CUDA only) or False")
+                                    f"runs on {self.device}. Fix: run it on a CUDA device, or leave side_streams at "
+                                    f"None (the default: a second stream on CUDA only) or False")
             streams = StreamOps(self.device)
             for b, bg in self.bound.items():
                 self.side_streams[b] = route_streams(bg.gm.graph, streams)

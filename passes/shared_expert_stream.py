@@ -9,9 +9,9 @@ with the routed-expert kernels on the main stream::
     shared:      └── wait(ev_fork) ─► situ_linear (shared down) ── record(ev_join)
 
 Streams are node metadata (``meta["k3_stream"]``); the kernel plan turns every cross-stream edge into
-an event record/wait. The kernel runtime runs them on a second CUDA stream (``runtime.route_streams``: the node moves up to
-just after its inputs, a fork before it, a join before its consumer); ``side_streams=False`` launches every
-kernel on one stream in graph order instead.
+an event record/wait. The kernel runtime runs them on a second CUDA stream (``runtime.route_streams``: the
+node moves up to just after its inputs, a fork before it, a join before its consumer); ``side_streams=False``
+launches every kernel on one stream in graph order instead.
 Collectives always stay on the main stream: moving one to a side stream corrupts results under CUDA-graph
 replay in other systems, and ``ensures`` rejects any graph that does.
 """
