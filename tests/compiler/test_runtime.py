@@ -527,3 +527,8 @@ def test_side_stream_nodes_fork_after_their_inputs_and_join_before_their_consume
 def test_side_streams_off_the_gpu_is_a_clear_error(mini_model):
     with pytest.raises(RuntimeError, match="side_streams=True runs the plan's side-stream kernels on CUDA"):
         _compile(mini_model, (1,), side_streams=True)(torch.tensor([7]), mini_model.new_state(1, 16))
+    # the default (None) is a second stream on CUDA only: off the GPU every kernel runs in graph order
+    assert k3compile.compiler.Options().side_streams is None
+    step = _compile(mini_model, (1,))
+    step(torch.tensor([7]), mini_model.new_state(1, 16))
+    assert step.dispatchers[-1].side_streams == {}
