@@ -45,6 +45,7 @@ import traceback
 
 import torch
 
+from .build import MODULE_PREFIX
 from .comm import leave, torchrun_world
 from .kernel_check import measure_copy_bandwidth
 
@@ -549,7 +550,7 @@ def per_layer(rows: list[Row]) -> list[dict]:
 
 
 CONTEXT_BYTES = ("mla_decode_",)  # kernels whose manifest bytes assume the package's full context
-KERNEL_NAME = re.compile(r"k3kernel_([a-z][a-z0-9_]*?)_([0-9a-f]{10})")
+KERNEL_NAME = re.compile(MODULE_PREFIX + r"([a-z][a-z0-9_]*?)_([0-9a-f]{10})")
 
 
 def kernel_id(name: str) -> str:
@@ -593,7 +594,7 @@ def layer_kernels(rows: list[Row], layer: int, context: int, bucket: int, system
             # a call of the template launches one GPU kernel per PTX entry (the MLA decode: three), each counted
             # by the profiler; the manifest's bytes are per call. The MLA decode's count the cache at the
             # package's capacity, not the run's context: no floor for it here (the plan has it)
-            ops = e["calls"] / max(1, len(k.get("audit", {}).get("entries", [])) or 1)
+            ops = e["calls"] / max(1, len(k.get("audit", {}).get("entries", [])))
             if ops > 0 and not name.startswith(CONTEXT_BYTES):
                 row["bytes"] = k["bytes"] * ops
                 if bandwidth:

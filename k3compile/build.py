@@ -38,6 +38,8 @@ class BuildError(RuntimeError):
     pass
 
 
+MODULE_PREFIX = "k3kernel_"  # a kernel's module name is this + its package name; the profiler shows it
+
 def versions() -> dict[str, str]:
     out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "k3compile-build": BUILD_FORMAT}
     for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
@@ -156,7 +158,7 @@ def _compile_in_worker(job: Job, out_dir: str) -> dict:
             import cutlass.cute as cute
             from cutlass.cute import runtime as cute_runtime
 
-            mod_name = f"k3kernel_{job.name}"
+            mod_name = f"{MODULE_PREFIX}{job.name}"
             spec = importlib.util.spec_from_file_location(mod_name, src)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = mod
