@@ -40,6 +40,7 @@ class BuildError(RuntimeError):
 
 MODULE_PREFIX = "k3kernel_"  # a kernel's module name is this + its package name; the profiler shows it
 
+
 def versions() -> dict[str, str]:
     out = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "k3compile-build": BUILD_FORMAT}
     for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
