@@ -13,7 +13,8 @@ This module gives a kernel call its communication arguments, in one of two wirin
     local (single-GPU emulation of TP > 1 on a fake process group, or after an NCCL all-reduce):
         a = the partial (emulation) or all_reduce(partial) (NCCL, torch.distributed; gloo on the CPU)
         peer0 = a, peer1.. = a zero row block     every peer_signal<p> = this rank's own pad
-        -> the same kernel, the same code path; its sum is a exactly (a + 0 + ...), no wait can block
+        -> the same kernel: it recognises the wiring (peer_signal0 and peer_signal1 are one pad, which no
+           two real ranks share) and skips the exchange (no copy, flag, wait or peer read): a is the sum
 
 ``oneshot_max_bytes`` gates the one-shot path by the size of one rank's message (rows x hidden x 2 bytes):
 each rank reads every peer's message, so for large messages NCCL's ring wins. Real collectives are counted

@@ -67,11 +67,41 @@ def check(point, fn, *, seed: int, device: str = "cuda") -> dict:
     return {**compare(point, inputs, dev), "seed": seed}
 
 
-def compare(point, inputs: dict, dev: dict) -> dict:
+def check_local_wiring(point, fn, *, seed: int, device: str = "cuda") -> dict:
+    """A fused residual kernel with TP > 1 (``residual_attn_res``) on the local wiring of
+    :mod:`k3compile.comm` (single-GPU emulation, or after an NCCL all-reduce: ``a`` is the sum, ``peer0`` is
+    ``a``, the other peers a zero block, every rank's flag pad this rank's own): y and the new prefix as the
+    float64 reference with ``a`` as the sum, and the kernel must recognise the wiring and skip the exchange, so
+    this rank's buffer ``comm`` and its flag pad come back untouched (the exchange would copy ``a`` into the
+    one and advance the other)."""
+    from . import comm
+
+    c = point.c
+    if point.template.name != "residual_attn_res" or c["TP"] == 1:
+        raise ValueError(f"{point.name}: the local wiring is a residual_attn_res kernel's with TP > 1")
+    inputs = point.template.random_inputs(c, torch.Generator().manual_seed(seed))
+    m, d = inputs["a"].shape
+    inputs["peer0"] = inputs["a"]
+    for p in range(1, c["TP"]):
+        inputs[f"peer{p}"] = torch.zeros(m, d, dtype=torch.bfloat16)
+    wired = comm._Local(device).args(inputs["a"].to(device), c["TP"])  # its own buffers, not the cached ones
+    wired["comm"].copy_(inputs["comm"])
+    wired["signal"].copy_(inputs["signal"])
+    dev = device_args(point, inputs, device, shared=wired)
+    fn(*kernel_args(point, dev))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    expect = {"comm": inputs["comm"].double(), "signal": inputs["signal"]}
+    return {**compare(point, inputs, dev, expect), "seed": seed}
+
+
+def compare(point, inputs: dict, dev: dict, expect: dict | None = None) -> dict:
     """Kernel results in ``dev`` against the template's float64 reference for ``inputs`` (state arguments the
-    kernel writes as copies of its own outputs: against ``Template.copied_state``, exactly)."""
+    kernel writes as copies of its own outputs: against ``Template.copied_state``, exactly); ``expect``
+    replaces entries of the reference."""
     t, c = point.template, point.c
     ref = t.reference(c, {k: v.clone() for k, v in inputs.items()})
+    ref.update(expect or {})
     ref.update(t.copied_state(c, inputs, {a.name: dev[a.name] for a in point.args() if a.role == "out"}))
     tol = t.tolerance(c)
     errors, problems = {}, []

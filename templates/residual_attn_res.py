@@ -23,8 +23,9 @@ rounded to bf16 as the bf16 all-reduce result is: every rank gets bit-identical 
 channel, raised after the peer reads and waited for at the end, keeps a rank from overwriting its buffer
 while a peer still reads it. The flags are monotonic epoch counters (never reset), so CUDA graph replays
 need no reset and a stale flag cannot pass a wait. ``peer<rank>`` is ``comm`` itself. With every peer flag
-pointing at this rank's own pad and the other peers a zero buffer, the same kernel is the identity
-(single-GPU emulation, or after an NCCL all-reduce when one-shot loses): see ``k3compile.comm``.
+pointing at this rank's own pad and the other peers a zero buffer (single-GPU emulation, or after an NCCL
+all-reduce when one-shot loses: see ``k3compile.comm``), the same kernel recognises the local wiring and skips
+the exchange: ``a`` is already the sum.
 
 The sealed blocks are NB separate ``[M, D]`` arguments ``block0`` .. ``block<NB-1>`` (the runtime passes the
 tensors the graph would ``torch.stack`` into ``[M, NB, D]``, so no stacked copy is made; ``stacked_blocks``

@@ -53,7 +53,10 @@ the exchange and arrive while the flags are polled. Once every CTA has read the 
 cluster barrier) thread 0 of CTA 0 raises channel 1, and before the grid ends CTA 0 waits for every rank's
 channel 1: no rank overwrites its buffer (next call) while a peer still reads it. Epoch counters only grow,
 so replays of a CUDA graph need no reset and a stale flag never passes a wait (comparisons are on the
-wrapped int32 difference).
+wrapped int32 difference). The local wiring of ``k3compile.comm`` (single-GPU emulation, or after an NCCL
+all-reduce) hands the kernel the sum as ``a`` and this rank's flag pad as every rank's; the kernel recognises
+it (``peer_signal0`` and ``peer_signal1`` are one pad, which no two real ranks share) and skips the exchange:
+no copy into ``comm``, no flag, no wait, no peer read (the sum over ``a`` and zero rows would be ``a``).
 
 Static weights (norm_w * proj_w, out_w) are loaded before ``griddepcontrol_wait``; activations after it.
 ``__call__`` takes the tensors in the order of the template's ``args()`` (absent ones are not passed) and
@@ -318,37 +321,46 @@ class Kernel:
                     rB.append(cute.make_rmem_tensor((VEC,), BFloat16))
                     cute.autovec_copy(cute.local_tile(blocks[b][row, None], (VEC,), (i,)), rB[s * NB + b])
 
-        # The one-shot all-reduce of a (TP > 1): publish this rank's row, wait for every rank's.
+        # The one-shot all-reduce of a (TP > 1): publish this rank's row, wait for every rank's. The local wiring
+        # (one pad for every rank: k3compile.comm, single-GPU emulation or after NCCL) passes the sum as a and
+        # skips the exchange; no two real ranks share a pad.
         epoch1 = Int32(0)
+        exchange = Int32(1)  # 0: the local wiring
         if cutlass.const_expr(TP > 1):
-            for s in cutlass.range_constexpr(STEPS):
-                cute.autovec_copy(rA[s], cute.local_tile(mComm[row, None], (VEC,), (col0 + s * THREADS,)))
-            if cutlass.const_expr(CL > 1):
-                # every CTA reads the row's epoch before the barrier below, so before CTA 0 raises it
-                epoch0 = mSignal[0, row] + Int32(1)
-                cute.arch.cluster_wait()  # every CTA of the cluster runs
-                cute.arch.cluster_arrive()  # release: this CTA's slice of comm is written ...
-                cute.arch.cluster_wait()  # ... acquire: every slice is; CTA 0 publishes the row
-                if tid == 0 and rank == 0:
-                    raise_flag(mSignal, 0, row)
-                if tid < 32:
-                    wait_flags(peerSignals, 0, row, epoch0)
+            if mS0.iterator.toint() == mS1.iterator.toint():
+                exchange = Int32(0)
+            if exchange == Int32(0):
+                if cutlass.const_expr(CL > 1):
+                    cute.arch.cluster_wait()  # every CTA of the cluster runs (the exchange's first wait otherwise)
             else:
+                for s in cutlass.range_constexpr(STEPS):
+                    cute.autovec_copy(rA[s], cute.local_tile(mComm[row, None], (VEC,), (col0 + s * THREADS,)))
+                if cutlass.const_expr(CL > 1):
+                    # every CTA reads the row's epoch before the barrier below, so before CTA 0 raises it
+                    epoch0 = mSignal[0, row] + Int32(1)
+                    cute.arch.cluster_wait()  # every CTA of the cluster runs
+                    cute.arch.cluster_arrive()  # release: this CTA's slice of comm is written ...
+                    cute.arch.cluster_wait()  # ... acquire: every slice is; CTA 0 publishes the row
+                    if tid == 0 and rank == 0:
+                        raise_flag(mSignal, 0, row)
+                    if tid < 32:
+                        wait_flags(peerSignals, 0, row, epoch0)
+                else:
+                    cute.arch.sync_threads()
+                    if tid < 32:  # warp 0: thread 0 raises this rank's flag, the warp waits for every rank's
+                        epoch0 = Int32(0)
+                        if tid == 0:
+                            epoch0 = raise_flag(mSignal, 0, row)
+                        wait_flags(peerSignals, 0, row, epoch0)
                 cute.arch.sync_threads()
-                if tid < 32:  # warp 0: thread 0 raises this rank's flag, the warp waits for every rank's
-                    epoch0 = Int32(0)
-                    if tid == 0:
-                        epoch0 = raise_flag(mSignal, 0, row)
-                    wait_flags(peerSignals, 0, row, epoch0)
-            cute.arch.sync_threads()
-            for s in cutlass.range_constexpr(STEPS):  # the ranks' rows, summed in rank order, rounded as bf16
-                i = col0 + s * THREADS
-                cute.autovec_copy(cute.local_tile(peers[0][row, None], (VEC,), (i,)), rIn)
-                acc = rIn.load().to(Float32)
-                for p in cutlass.range_constexpr(1, TP):
-                    cute.autovec_copy(cute.local_tile(peers[p][row, None], (VEC,), (i,)), rIn)
-                    acc = acc + rIn.load().to(Float32)
-                rA[s].store(acc.to(BFloat16))
+                for s in cutlass.range_constexpr(STEPS):  # the ranks' rows, summed in rank order, rounded as bf16
+                    i = col0 + s * THREADS
+                    cute.autovec_copy(cute.local_tile(peers[0][row, None], (VEC,), (i,)), rIn)
+                    acc = rIn.load().to(Float32)
+                    for p in cutlass.range_constexpr(1, TP):
+                        cute.autovec_copy(cute.local_tile(peers[p][row, None], (VEC,), (i,)), rIn)
+                        acc = acc + rIn.load().to(Float32)
+                    rA[s].store(acc.to(BFloat16))
         if cutlass.const_expr(ADD_R):  # the FFN output: up-projection + the (all-reduced) partial, rounded as bf16
             for s in cutlass.range_constexpr(STEPS):
                 rA[s].store((rR[s].load().to(Float32) + rA[s].load().to(Float32)).to(BFloat16))
@@ -419,7 +431,7 @@ class Kernel:
         if cutlass.const_expr(TP > 1):  # done reading the peers' rows: say so now, wait for theirs at the end
             if cutlass.const_expr(CL == 1):
                 cute.arch.sync_threads()
-            if tid == 0 and rank == 0:
+            if tid == 0 and rank == 0 and exchange != Int32(0):
                 epoch1 = raise_flag(mSignal, 1, row)
 
         # Pass 2: mix the sources (blocks from registers, or re-read), then store y (normalised with the scale
@@ -459,5 +471,5 @@ class Kernel:
                 rOut.store((normed.to(Float32) * wOut[s].load().to(Float32)).to(BFloat16))
                 cute.autovec_copy(rOut, cute.local_tile(mY[row, None], (VEC,), (col0 + s * THREADS,)))
         if cutlass.const_expr(TP > 1):
-            if tid < 32 and rank == 0:  # one CTA per row: the grid ends only after it
+            if tid < 32 and rank == 0 and exchange != Int32(0):  # one CTA per row: the grid ends only after it
                 wait_flags(peerSignals, 1, row, epoch1)

@@ -15,16 +15,17 @@ from k3compile.templates.base import to_kernel_layout
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
-def _kernels() -> dict[str, str]:
-    """kernel name -> example label, from the package named by K3_KERNEL_PACKAGE (collection time)."""
+def _manifest() -> dict:
+    """The kernels of the package named by K3_KERNEL_PACKAGE (collection time)."""
     path = os.environ.get("K3_KERNEL_PACKAGE")
     if not path or not os.path.exists(os.path.join(path, "manifest.json")):
-        return {"<no package>": ""}
+        return {}
     with open(os.path.join(path, "manifest.json")) as fh:
-        return {n: k.get("example", n) for n, k in json.load(fh)["kernels"].items()}
+        return json.load(fh)["kernels"]
 
 
-KERNELS = _kernels()
+MANIFEST = _manifest()
+KERNELS = {n: k.get("example", n) for n, k in MANIFEST.items()} or {"<no package>": ""}  # name -> example label
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS, key=KERNELS.get), ids=lambda n: KERNELS[n] or n)
@@ -34,6 +35,22 @@ def test_kernel_matches_float64_reference(kernel_package, name):
     big = kc.input_bytes(point) > 2**28  # real-shape expert pools and caches: inputs and references are slow
     for _ in range(1 if big else 3):
         res = kc.check(point, fn, seed=random.randrange(2**31))
+        assert res["ok"], f"{KERNELS[name]} seed {res['seed']}: {res['problems']}"
+
+
+# the fused residual kernels with an in-kernel all-reduce (TP > 1), which also serve the local wiring
+LOCAL = sorted(n for n, k in MANIFEST.items()
+               if k["template"] == "residual_attn_res" and k["constants"]["TP"] > 1)
+
+
+@pytest.mark.parametrize("name", LOCAL, ids=lambda n: KERNELS.get(n, n))
+def test_local_wiring_skips_the_exchange(kernel_package, name):
+    """Single-GPU emulation and the NCCL path hand the kernel the sum and one flag pad for every rank: its
+    results are the reference's for that sum, and its buffer and flags stay untouched (no exchange ran)."""
+    point = kernel_package.point(name)
+    fn = kernel_package.function(name)
+    for _ in range(3):
+        res = kc.check_local_wiring(point, fn, seed=random.randrange(2**31))
         assert res["ok"], f"{KERNELS[name]} seed {res['seed']}: {res['problems']}"
 
 

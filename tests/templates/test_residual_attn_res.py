@@ -176,6 +176,44 @@ def test_local_wiring_is_the_identity(label):
     assert torch.equal(ref["comm"], x["a"].double())
 
 
+def test_local_wiring_check_fails_a_kernel_that_exchanges():
+    """``kernel_check.check_local_wiring`` (the GPU test of the kernel's local-wiring branch), run on the CPU
+    with stand-in kernels: one that writes the reference's results for a = the sum and touches nothing else
+    passes; one that also runs the exchange (copies a into comm, advances the flags) fails on both; one that
+    reads the peers as if they were the exchange's does too, as does one that leaves y unwritten."""
+    from k3compile import kernel_check
+
+    point = T.point(**EXAMPLES["mini_tp2_b4"])
+    c = point.c
+    names = [a.name for a in point.args()]
+
+    def stand_in(exchange=False, write_y=True, peers_summed=False):
+        def fn(*tensors):
+            t = dict(zip(names, tensors))
+            assert t["peer_signal0"] is t["signal"] and t["peer_signal1"] is t["signal"] and t["peer0"] is t["a"]
+            given = {k: v.clone() for k, v in t.items()}
+            if peers_summed:  # a kernel that took the local wiring's zero block for a peer's real row
+                given["peer1"] = given["a"]
+            ref = T.reference(c, given)
+            for k in ("new_prefix", "y")[: 2 if write_y else 1]:
+                t[k].copy_(ref[k].to(torch.bfloat16))
+            if exchange:
+                t["comm"].copy_(t["a"])
+                t["signal"].add_(1)
+        return fn
+
+    ok = kernel_check.check_local_wiring(point, stand_in(), seed=5, device="cpu")
+    assert ok["ok"], ok["problems"]
+    bad = kernel_check.check_local_wiring(point, stand_in(exchange=True), seed=5, device="cpu")
+    assert {p.split(":")[0] for p in bad["problems"]} == {"comm", "signal"}, bad["problems"]
+    doubled = kernel_check.check_local_wiring(point, stand_in(peers_summed=True), seed=5, device="cpu")
+    assert {p.split(":")[0] for p in doubled["problems"]} >= {"y", "new_prefix"}, doubled["problems"]
+    unwritten = kernel_check.check_local_wiring(point, stand_in(write_y=False), seed=5, device="cpu")
+    assert unwritten["problems"][0].startswith("y: ") and "NaN" in unwritten["problems"][0]
+    with pytest.raises(ValueError, match="TP > 1"):
+        kernel_check.check_local_wiring(T.point(**EXAMPLES["mini_b8"]), stand_in(), seed=5, device="cpu")
+
+
 def test_reference_detects_wrong_semantics():
     """The inputs make every part of the math matter: plausible mistakes miss the tolerance by far."""
     c = T.point(**{**EXAMPLES["mini_b8"], "nb": 3}).c
@@ -241,7 +279,8 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
             assert ptx.count("st.shared::cluster.f32") == nstores and ptx.count("mapa.shared::cluster") == nstores
             assert ptx.count("barrier.cluster.arrive.relaxed") == 1, label
             barriers = (nred > 0) + second + (c["TP"] > 1) + (c["TP"] > 1 and not nred)
-            assert ptx.count("barrier.cluster.wait") == barriers + 1, label  # + the "every CTA runs" wait
+            # + the "every CTA runs" wait, in both branches with TP > 1 (exchange, or the local wiring's skip)
+            assert ptx.count("barrier.cluster.wait") == barriers + 1 + (c["TP"] > 1), label
         else:
             assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx, label
         flags = re.findall(r"(?:atom|ld)\.\S*sys\S*", ptx)
