@@ -86,14 +86,24 @@ def _fresh_dynamo():
     counters.clear()
 
 
-_RUN_DIR: list = []  # this run's scratch directory (the kernel cache unless K3COMPILE_CACHE is set)
+_RUN_DIR: list = []  # this run's scratch directory, when this process made it (it removes it at the end)
+
+
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def pytest_configure(config):
     """Kernel compiles share one disk cache within a test run (fresh per run, so CI really compiles); set
-    K3COMPILE_CACHE yourself to keep one across runs."""
-    _RUN_DIR.append(Path(tempfile.mkdtemp(prefix="k3compile_tests.")))
-    os.environ.setdefault("K3COMPILE_CACHE", str(_RUN_DIR[0] / "cache"))
+    K3COMPILE_CACHE yourself to keep one across runs. The main process (a plain run, or pytest-xdist's
+    controller) makes the run's scratch directory; xdist workers inherit it through the environment and run one
+    intra-op thread each (``-n auto`` already gives every core a worker: more threads only spin-wait)."""
+    if mini_codegen.RUN_ENV not in os.environ:
+        _RUN_DIR.append(Path(tempfile.mkdtemp(prefix="k3compile_tests.")))
+        os.environ[mini_codegen.RUN_ENV] = str(_RUN_DIR[0])
+    os.environ.setdefault("K3COMPILE_CACHE", str(Path(os.environ[mini_codegen.RUN_ENV]) / "cache"))
+    if _xdist_worker(config):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,14 +111,25 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: mini_codegen.FIXTURE in getattr(item, "fixturenames", ()))  # stable
 
 
+def _start_mini_codegen(config, needed: bool) -> None:
+    """Start the k3-mini compile (tests/mini_codegen.py), once per run, from the main process, if a selected test
+    needs it: on every core, at low priority beside the tests."""
+    if needed and not config.option.collectonly and _RUN_DIR and not (mini_codegen.out_dir() / "pid").exists():
+        mini_codegen.start(mini_codegen.out_dir(), os.cpu_count() or 1)
+
+
 def pytest_collection_finish(session):
-    """Start the k3-mini compile (tests/mini_codegen.py) if a selected test needs it: on every core but the one
-    the other tests use, or on all of them when nothing else was selected."""
-    need = [i for i in session.items if mini_codegen.FIXTURE in getattr(i, "fixturenames", ())]
-    if need and not session.config.option.collectonly:
-        cores = os.cpu_count() or 1
-        workers = cores if len(need) == len(session.items) else max(1, cores - 1)
-        mini_codegen.start(_RUN_DIR[0] / "mini_codegen", workers)
+    if not _xdist_worker(session.config):  # a plain run collects here; under xdist the workers do
+        _start_mini_codegen(session.config, any(mini_codegen.FIXTURE in getattr(i, "fixturenames", ())
+                                                for i in session.items))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller, once a worker has collected: the tests that need the k3-mini set are the ones
+    of tests/compiler/test_codegen.py that use its fixture (the controller sees test ids, not fixtures; a run
+    of only that file's other tests starts a compile it does not wait for, killed at the end)."""
+    _start_mini_codegen(node.config, any("test_codegen.py::" in i for i in ids))
 
 
 def pytest_unconfigure(config):

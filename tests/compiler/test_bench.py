@@ -230,7 +230,12 @@ def test_bf16_experts_give_the_eager_models_output(mini_model, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(state.tensors(), per_token_state.tensors()))
     torch.testing.assert_close(got, dense, rtol=1.6e-2, atol=5e-2)  # a logit moves by a bf16 step or two
     assert ((got - dense).norm() / dense.norm()).item() < 1e-2
-    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+    # the greedy token agrees wherever the dense path's top two logits are further apart than the two paths'
+    # tolerance (a near-tie of the random model flips with the summation order, e.g. with the intra-op threads)
+    top2 = dense.float().topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1
+    assert clear.sum() >= clear.numel() // 2, clear  # not vacuous: 9 of these 12 rows are clear
+    assert torch.equal(got.argmax(-1)[clear], dense.argmax(-1)[clear])
 
 
 def test_bf16_experts_are_what_runs_and_the_patch_is_undone(mini_model):
