@@ -126,10 +126,10 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
-    """pytest-xdist's controller, once a worker has collected: the tests that need the k3-mini set are the ones
-    of tests/compiler/test_codegen.py that use its fixture (the controller sees test ids, not fixtures; a run
-    of only that file's other tests starts a compile it does not wait for, killed at the end)."""
-    _start_mini_codegen(node.config, any("test_codegen.py::" in i for i in ids))
+    """pytest-xdist's controller, once a worker has collected: the tests that need the k3-mini set are in
+    mini_codegen.TEST_FILE (the controller sees test ids, not fixtures; a run of only that file's other tests
+    starts a compile it does not wait for, killed at the end)."""
+    _start_mini_codegen(node.config, any(f"{mini_codegen.TEST_FILE}::" in i for i in ids))
 
 
 def pytest_unconfigure(config):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 TPS = (1, 2, 4, 8)
 FIXTURE = "mini_build"  # tests that use this fixture need the compiled set
+TEST_FILE = "test_codegen.py"  # the file of those tests (what pytest-xdist's controller sees: test ids)
 RUN_ENV = "K3COMPILE_TEST_RUN"  # the run's scratch directory (tests/conftest.py), shared with pytest-xdist workers
 
 _job: dict = {}  # the background compile this process started: proc, log
