@@ -5,8 +5,11 @@ have the same name as the packaged kernel (same template source, constants and a
 from other template sources is refused rather than checked against the wrong reference. Then:
 
 1. correctness, ``--seeds`` times, each on fresh random inputs with NaN-poisoned outputs, against the
-   template's float64 reference (``kernel_check.check``);
-2. time per call inside a CUDA graph over input sets rotated past the L2 (``kernel_check.graph_time_us``);
+   template's float64 reference (``kernel_check.check``); ``--seed S`` draws check i's inputs from seed S + i
+   for every kernel instead, so that two packages' kernels of one example see the same experts and tokens
+   (an A/B under a profiler with ``--check-only``) and a failing check can be run again;
+2. time per call inside a CUDA graph over input sets rotated past the L2 (``kernel_check.graph_time_us``),
+   drawn from one fixed seed: two packages are timed on the same inputs;
 3. the floor: the bytes the kernel must move for the timed inputs (``Template.bytes_of``, averaged over the
    input sets) / the device-to-device copy bandwidth measured at the start of the same run; reported as
    floor/time = "% of copy bandwidth";
@@ -17,13 +20,30 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import sys
 import time
 
 from .package import KernelPackage
 
 
-def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = None, timing: bool = True) -> int:
+def selected(kernels: dict, only: str | None) -> list[str]:
+    """The package's kernel names to run, in example-label order: all, or with ``only`` (comma-separated
+    substrings, e.g. ``moe_down_combine:k3tp8_b8,gemv``) those whose name or example label contains one."""
+    pats = [p.strip() for p in (only or "").split(",") if p.strip()]
+    return [n for n, k in sorted(kernels.items(), key=lambda kv: (kv[1].get("example", ""), kv[0]))
+            if not pats or any(p in n or p in k.get("example", "") for p in pats)]
+
+
+def check_seeds(n: int, seed: int | None) -> list[int]:
+    """The input seeds of a kernel's n correctness checks: seed, seed + 1, ... when given, else fresh ones."""
+    if seed is not None:
+        return [seed + i for i in range(n)]
+    return [random.SystemRandom().randrange(2**31) for _ in range(n)]
+
+
+def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = None, timing: bool = True,
+        seed: int | None = None) -> int:
     import torch
 
     from . import kernel_check as kc
@@ -33,8 +53,11 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
               "it on the GPU host; CPU machines can only build packages (codegen --package)", file=sys.stderr)
         return 2
     pkg = KernelPackage(package_dir)
-    names = [n for n, k in sorted(pkg.kernels.items(), key=lambda kv: (kv[1].get("example", ""), kv[0]))
-             if not only or only in n or only in pkg.kernels[n].get("example", "")]
+    names = selected(pkg.kernels, only)
+    if not names:
+        print(f"k3compile bench-kernels: error: no kernel of {package_dir} matches --only {only!r}. Fix: give a "
+              f"substring of a kernel name or example label (comma-separated for several)", file=sys.stderr)
+        return 2
     bw = kc.measure_copy_bandwidth() if timing else None
     rows, failed = [], 0
     for name in names:
@@ -45,7 +68,7 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
                "bytes": point.template.bytes(point.c), "flops": point.template.flops(point.c)}
         try:
             n_checks = 1 if kc.input_bytes(point) > 2**29 else seeds  # inputs drawn on the CPU: keep big ones to one
-            checks = [kc.check(point, fn, seed=1000 + 17 * i + hash(name) % 1000) for i in range(n_checks)]
+            checks = [kc.check(point, fn, seed=s) for s in check_seeds(n_checks, seed)]
             row["checks"] = checks
             row["ok"] = all(c["ok"] for c in checks)
         except Exception as e:  # noqa: BLE001 - a crashing kernel is a failed row, the run goes on

@@ -95,7 +95,8 @@ def cmd_codegen(args) -> int:
 def cmd_bench_kernels(args) -> int:
     from .bench_kernels import run
 
-    return run(args.package, out_json=args.json, seeds=args.seeds, only=args.only, timing=not args.check_only)
+    return run(args.package, out_json=args.json, seeds=args.seeds, only=args.only, timing=not args.check_only,
+               seed=args.seed)
 
 
 def cmd_bench(args) -> int:
@@ -196,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--package", required=True, help="package directory (codegen --package output)")
     bk.add_argument("--json", default="bench_kernels.json", help="where to write the results")
     bk.add_argument("--seeds", type=int, default=2, help="correctness checks per kernel (fresh inputs each)")
-    bk.add_argument("--only", help="only kernels whose example label or name contains this")
+    bk.add_argument("--only", help="only kernels whose example label or name contains this (comma-separated: "
+                                   "any of these)")
+    bk.add_argument("--seed", type=int, help="draw check i's inputs from seed SEED + i for every kernel (default: "
+                                            "fresh): two packages' kernels of one example checked on the same inputs")
     bk.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     bk.set_defaults(func=cmd_bench_kernels)
     bp = sub.add_parser("bench-plot", help="table and plot of a `k3compile bench` JSON (no GPU needed)")

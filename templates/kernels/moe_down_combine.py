@@ -17,17 +17,20 @@ warp runs W2[e] rows l0..l0+15 against the h rows of the tokens that picked e, 8
 reduction I in k-steps of 4 MX blocks (lane t of a quad covers block 4*step + t of rows g and g+8; a last
 step with fewer than 4 blocks leaves the other lanes' operands zero). A warp's experts stream through a
 ``cp.async`` ring of STAGES experts in shared memory (16-byte weight copies and, when I/32 is a multiple of
-4, the scale words; a lane reads back only what it copied itself, so no barrier), so STAGES - 1 experts are
-in flight while one is computed; the expert after the ring's last is prefetched into L2 (one bulk
-prefetch). A k-step at a time: the column's activations (global, L2-resident), the step's weights from the
-ring, the decode and MMA, so a thread needs at most 128 registers and two CTAs of WARPS warps share an SM
-(8, or 4 where shared memory leaves 8 warps fewer than 2 stages: 16 warps hide the loads' and MMAs'
+4, the quad's scale words, each copied by one of its lanes; a ``__syncwarp`` after each wait and before each
+refill, no barrier), so STAGES - 1 experts are in flight while one is computed; the expert after the ring's
+last is prefetched into L2 (one bulk prefetch). A k-step at a time: the column's activations (global,
+L2-resident; a column past the group reads the group's last pair instead of a branch), the step's weights
+from the ring, the decode and MMA, so a thread needs at most 128 registers and two CTAs of WARPS warps share
+an SM (8, or 4 where shared memory leaves 8 warps fewer than 2 stages: 16 warps hide the loads' and MMAs'
 latencies; with 4 warps and every step's operands in registers, 252 of them, the SM was idle 46 % of its
 cycles; loading all k-steps' activations ahead of the MMAs measured no faster). W2 is in the kernels'
-prepacked layout (mxfp4_mirror.prepack). Decode as in moe_gate_up (moe_lib.block_mma), the second scale
-factor predicated per lane: moe_gate_up's form (no second factor, a rerun where a byte exceeds 128)
-measured slower here, 243 against 173 us at batch 64 inside the layer with no rerun taken (cause not
-established).
+prepacked layout (mxfp4_mirror.prepack). Decode as in moe_gate_up (moe_lib.block_mma). The second scale
+factor (bytes above 128): with the scales in the ring, the warp looks at its expert's landed scale words
+once and runs the expert with the factor on every block or on none (a warp-uniform branch; predicated per
+lane, as without the ring, the factor's 96 multiplies issued on every expert: 14 % of the 680 instructions
+of batch 8's loop; moe_gate_up's form, no factor and a rerun where a byte exceeds 128, measured slower here,
+243 against 173 us at batch 64 inside the layer with no rerun taken, cause not established).
 Each (token, slot) result, rounded to bf16, is stored once in shared memory; after a barrier every
 (token, row) sums its TOPK slots in slot order with the routing weights: the combine happens in the CTA,
 deterministic, no atomics, no workspace. Each weight byte of an active expert is read by one CTA, once.
@@ -88,10 +91,11 @@ class Kernel:
     @cute.jit
     def issue_expert(self, mW2q: cute.Tensor, mS2: cute.Tensor, e, row0, g, t, sW: cute.Tensor, sS: cute.Tensor,
                      lane):
-        """cp.async of this lane's share of expert e into one ring stage (sW [2 STEPS, 32, 4] words, sS [2 STEPS,
-        32]): per k-step s, MX block 4s + t of rows g and g + 8 (16 bytes each; none past I) and, with
-        SCALE_RING, the word holding the scales of blocks 4s .. 4s + 3 of each row (the quad's lanes copy the
-        same words). A lane reads back only what it copied itself: no barrier."""
+        """cp.async of this lane's share of expert e into one ring stage (sW [2 STEPS, 32, 4] words, sS [8,
+        2 STEPS]): per k-step s, MX block 4s + t of rows g and g + 8 (16 bytes each; none past I) and, with
+        SCALE_RING, a share of the quad's 2 STEPS scale words (word 2s + r: the bytes of blocks 4s .. 4s + 3 of
+        row g + 8r), lane t copying words t, t + 4, ... into sS[g, :]. A lane reads back its own weight copies
+        and its quad's scale words (visible after the ``__syncwarp`` that follows the wait)."""
         big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
                                   num_bits_per_copy=128)
         word = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint32, num_bits_per_copy=32)
@@ -101,9 +105,12 @@ class Kernel:
                 row = row0 + g + 8 * r
                 if blk < NB:
                     cute.copy(big, cute.local_tile(mW2q[e, row, None], (4,), (blk,)), sW[2 * s + r, lane, None])
-                if cutlass.const_expr(SCALE_RING):
-                    cute.copy(word, cute.local_tile(mS2[e, row, None], (1,), (s,)),
-                              cute.local_tile(sS[2 * s + r, None], (1,), (lane,)))
+        if cutlass.const_expr(SCALE_RING):
+            for jj in cutlass.range_constexpr((2 * STEPS + 3) // 4):
+                j = 4 * jj + t  # word j: k-step j // 2, row g + 8 (j % 2)
+                if j < 2 * STEPS:
+                    cute.copy(word, cute.local_tile(mS2[e, row0 + g + 8 * (j % 2), None], (1,), (j // 2,)),
+                              cute.local_tile(sS[g, None], (1,), (j,)))
 
     @cute.jit
     def read_step(self, mS2: cute.Tensor, e, row0, g, t, s: cutlass.Constexpr, sW: cute.Tensor, sS: cute.Tensor,
@@ -115,13 +122,53 @@ class Kernel:
             if blk < NB:
                 cute.autovec_copy(sW[2 * s + r, lane, None], cute.local_tile(rW, (4,), (r,)))
                 if cutlass.const_expr(SCALE_RING):
-                    rS[r] = (sS[2 * s + r, lane] >> Uint32(8 * t)) & Uint32(0xFF)
+                    rS[r] = (sS[g, 2 * s + r] >> Uint32(8 * t)) & Uint32(0xFF)
                 else:
                     rS[r] = Uint32(mS2[e, row0 + g + 8 * r, blk])
             else:  # past I in a partial last step: zero operands
                 for i in cutlass.range_constexpr(4):
                     rW[4 * r + i] = Uint32(0)
                 rS[r] = Uint32(127)
+
+    @cute.jit
+    def scales_big(self, sS: cute.Tensor, g):
+        """Whether a scale byte above 128 is among quad g's landed scale words of one ring stage (SCALE_RING;
+        a byte b > 128 has bit 7 and a low bit: per byte, bit 7 of b & ((b & 0x7F) + 0x7F))."""
+        big = Uint32(0)
+        for i in cutlass.range_constexpr(2 * STEPS):
+            w = sS[g, i]
+            big = big | (w & ((w & Uint32(0x7F7F7F7F)) + Uint32(0x7F7F7F7F)))
+        return (big & Uint32(0x80808080)) != Uint32(0)
+
+    @cute.jit
+    def expert(self, second: cutlass.Constexpr, mHf: cute.Tensor, mS2: cute.Tensor, sG: cute.Tensor, a, row0, g, t,
+               sW: cute.Tensor, sS: cute.Tensor, sPart: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor,
+               rX: cute.Tensor, acc: cute.Tensor):
+        """Active expert a's 16 rows (landed in ring stage sW / sS) against its tokens' h rows, 8 columns at a
+        time, each (token, slot) result rounded to bf16 into sPart; block_mma's second factor as ``second``."""
+        e = sG[G_ACT + a]
+        start = G_PAIRS + sG[G_START + a]
+        num = sG[G_NUM + a]
+        for nt in cutlass.range(0, num, 8, unroll=1):
+            # a column past the group reads the group's last pair: its results are not stored, and an MMA
+            # column depends only on its own activations
+            pair = sG[start + cutlass.min(nt + g, num - 1)]
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(STEPS):  # one k-step at a time (registers: 16 warps per SM)
+                blk = 4 * s + t
+                if cutlass.const_expr(4 * s + 4 <= NB):  # every lane's block exists
+                    cute.autovec_copy(cute.local_tile(mHf[pair, None], (16,), (blk,)), rX)
+                else:
+                    if blk < NB:
+                        cute.autovec_copy(cute.local_tile(mHf[pair, None], (16,), (blk,)), rX)
+                    else:  # past I in a partial last step: zero operands (the weights are zero too; 0 * NaN is not)
+                        rX.fill(0)
+                self.read_step(mS2, e, row0, g, t, s, sW, sS, lane, rW, rS)
+                block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second)
+            for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
+                cc = nt + 2 * t + i % 2
+                if cc < num:
+                    sPart[sG[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
 
     @cute.kernel
     def kernel(self, mHq: cute.Tensor, mGroups: cute.Tensor, mWts: cute.Tensor, mW2q: cute.Tensor,
@@ -136,8 +183,9 @@ class Kernel:
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32, 4),
                                                            stride=(STAGES * STEPS * 256, STEPS * 256, 128, 4, 1)), 16)
-        sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32),
-                                                           stride=(STAGES * STEPS * 64, STEPS * 64, 32, 1)), 16)
+        sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 8, 2 * STEPS),
+                                                           stride=(STAGES * STEPS * 16, STEPS * 16, 2 * STEPS, 1)),
+                                  16)
 
         cute.arch.griddepcontrol_wait()  # h, groups and weights come from moe_gate_up (weights: moe_route)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
@@ -145,6 +193,7 @@ class Kernel:
         cute.arch.sync_threads()
         n_active = sG[0]
 
+        mHf = cute.make_tensor(mHq.iterator, cute.make_layout((P, I // 2), stride=(I // 2, 1)))  # h by pair
         g = lane // 4  # MMA rows g and g + 8, and the token column of this lane
         t = lane % 4  # which block of a k-step this lane loads
         rW = cute.make_rmem_tensor((8,), Uint32)  # one k-step: rows g, g + 8 (4 words each)
@@ -162,32 +211,23 @@ class Kernel:
             if lane == 0:  # the expert after the ring's last: into L2 now
                 self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, sG, mW2q, mS2, row0)
             nxt = k + STAGES - 1
+            cute.arch.sync_warp()  # every lane is done with expert k - 1, whose stage is refilled now
             if nxt < n_mine:
                 self.issue_expert(mW2q, mS2, sG[G_ACT + warp + nxt * WARPS], row0, g, t,
                                   sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None], lane)
             cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(STAGES - 1)  # expert k has landed
+            cute.arch.cp_async_wait_group(STAGES - 1)  # expert k has landed (this lane's copies)
+            cute.arch.sync_warp()  # ... and every lane's: the quad's scale words
             a = warp + k * WARPS
-            e = sG[G_ACT + a]
-            start = G_PAIRS + sG[G_START + a]
-            num = sG[G_NUM + a]
-            for nt in cutlass.range(0, num, 8, unroll=1):
-                col = nt + g
-                pair = sG[start + cutlass.min(col, num - 1)]
-                acc.fill(0.0)
-                for s in cutlass.range_constexpr(STEPS):  # one k-step at a time (registers: 16 warps per SM)
-                    blk = 4 * s + t
-                    if (col < num) & (blk < NB):
-                        cute.autovec_copy(cute.local_tile(mHq[pair // TOPK, pair % TOPK, None], (16,), (blk,)), rX)
-                    else:
-                        rX.fill(0)
-                    self.read_step(mS2, e, row0, g, t, s, sW[warp, k % STAGES, None, None, None],
-                                   sS[warp, k % STAGES, None, None], lane, rW, rS)
-                    block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, None)
-                for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
-                    cc = nt + 2 * t + i % 2
-                    if cc < num:
-                        sPart[sG[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
+            stage_w = sW[warp, k % STAGES, None, None, None]
+            stage_s = sS[warp, k % STAGES, None, None]
+            if cutlass.const_expr(SCALE_RING):  # the expert's scale bytes decide the decode's form, warp-wide
+                if cute.arch.vote_any_sync(self.scales_big(stage_s, g)):
+                    self.expert(True, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
+                else:
+                    self.expert(False, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
+            else:  # scale bytes from global memory, per lane: the second factor predicated
+                self.expert(None, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
         cute.arch.sync_threads()
         for idx in cutlass.range(tid, M * 16, THREADS, unroll=1):  # combine: slot order, fp32
             m = idx // 16

@@ -333,3 +333,21 @@ def test_bench_kernels_table_keeps_the_floor_and_says_why_a_column_is_missing():
     assert line.split()[1:6] == ["176.07", "41.8", "63.8", "66%", "-"]
     assert "moe_gate_up:k3tp8_b8: torch baseline not timed: RuntimeError: Cannot copy" in text
     assert "gemv_0123456789: not timed: RuntimeError: out of memory" in text
+
+
+def test_bench_kernels_selects_by_any_of_several_patterns_and_seeds_checks_reproducibly():
+    """--only takes comma-separated substrings of names or example labels; --seed gives every kernel the same
+    check inputs (an A/B of two packages under a profiler compares like with like), the default fresh ones."""
+    from k3compile import bench_kernels
+
+    kernels = {"moe_down_combine_aa": {"example": "moe_down_combine:k3tp8_b8"},
+               "moe_down_combine_bb": {"example": "moe_down_combine:k3tp8_b64"},
+               "moe_gate_up_cc": {"example": "moe_gate_up:k3tp8_b8"}, "gemv_dd": {}}
+    assert bench_kernels.selected(kernels, None) == ["gemv_dd", "moe_down_combine_bb", "moe_down_combine_aa",
+                                                     "moe_gate_up_cc"]  # by example label
+    assert bench_kernels.selected(kernels, "k3tp8_b8") == ["moe_down_combine_aa", "moe_gate_up_cc"]
+    assert bench_kernels.selected(kernels, "moe_down_combine:k3tp8_b64, gemv") == ["gemv_dd", "moe_down_combine_bb"]
+    assert bench_kernels.selected(kernels, "b16") == []
+    assert bench_kernels.check_seeds(3, 40) == [40, 41, 42]
+    fresh = bench_kernels.check_seeds(2, None) + bench_kernels.check_seeds(2, None)
+    assert len(set(fresh)) == 4 and all(0 <= s < 2**31 for s in fresh)

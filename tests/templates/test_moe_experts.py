@@ -148,7 +148,7 @@ def _gate_up_smem(env):  # the kernel's allocations, in its order (moe_gate_up.k
 
 def _down_smem(env):  # moe_down_combine.kernel (the grouping comes from moe_gate_up)
     ring = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32 * 4
-    scales = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32
+    scales = 4 * env["WARPS"] * env["STAGES"] * 8 * 2 * env["STEPS"]  # a word per quad, k-step and row half
     return _allocated([2 * env["P"] * 16, 4 * env["GLEN"], ring, scales])
 
 
@@ -204,8 +204,9 @@ def test_balanced_split_fills_the_last_round():
 
 
 def test_down_takes_8_warps_where_two_stages_fit():
-    # batch 64 too, since down reads gate/up's grouping instead of grouping the ids (26 KB less shared memory)
-    for b, warps, stages in ((1, 8, 2), (8, 8, 3), (32, 8, 2), (64, 8, 2)):
+    # batch 64 too, since down reads gate/up's grouping instead of grouping the ids (26 KB less shared memory);
+    # batch 8 4 stages and batch 32 3, since one lane of a quad copies each scale word
+    for b, warps, stages in ((1, 8, 2), (8, 8, 4), (32, 8, 3), (64, 8, 2)):
         c = DC.point(bucket=b, **_K3).c
         assert (c["WARPS"], c["STAGES"]) == (warps, stages), b
     assert DC.point(bucket=64, **{**_K3, "top_k": 32}).c["WARPS"] == 4  # 64 KB of sPart: 4 warps keep 2 stages
