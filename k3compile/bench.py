@@ -553,6 +553,9 @@ CONTEXT_BYTES = ("mla_decode_",)  # kernels whose manifest bytes assume the pack
 KERNEL_NAME = re.compile(MODULE_PREFIX + r"([a-z][a-z0-9_]*?)_([0-9a-f]{10})")
 
 
+OUR_KERNEL = re.compile(r"[a-z][a-z0-9_]*_[0-9a-f]{10}")  # kernel_id of one of our kernels
+
+
 def kernel_id(name: str) -> str:
     """A profiler kernel name as its package kernel name (template and source hash, ``gemv_ea74823ffa``: the
     key of the package's ``manifest.json``), or the first 60 characters of a kernel that is not ours."""
@@ -605,9 +608,10 @@ def layer_kernels(rows: list[Row], layer: int, context: int, bucket: int, system
 
 
 def layer_kernels_table(result: dict, manifest: dict | None = None) -> str:
-    """``layer_kernels`` of every per-layer entry of a k3compile system, as text."""
+    """``layer_kernels`` of every per-layer entry of a k3compile system, as text; with a manifest, a last line
+    names our kernels it lacks (their rows have no point, MB or floor: the package is not the run's)."""
     rows, bw = rows_of(result), result.get("bandwidth")
-    lines = []
+    lines, missing = [], set()
     for p in result.get("per_layer", []):
         if not p["system"].startswith("k3compile") or p.get("busy_us") is None:
             continue
@@ -622,6 +626,12 @@ def layer_kernels_table(result: dict, manifest: dict | None = None) -> str:
                 extra += f"  floor {k['floor_us']:7.1f} us  x{k['exposed_us'] / k['floor_us']:5.2f}"
             line = f"  {k['exposed_us']:8.1f} {k['us']:8.1f}  x{k['calls']:<3g} {k['kernel']:<44}{extra}"
             lines.append(line.rstrip())
+            if manifest is not None and OUR_KERNEL.fullmatch(k["kernel"]) and k["kernel"] not in manifest.get(
+                    "kernels", {}):
+                missing.add(k["kernel"])
+    if missing:
+        lines.append(f"not in the package's manifest, so without point, MB and floor ({len(missing)}; built from other "
+                     f"template sources or points than the run's package?): " + ", ".join(sorted(missing)))
     return "\n".join(lines)
 
 
