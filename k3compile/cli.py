@@ -17,6 +17,19 @@ def _add_point_args(p: argparse.ArgumentParser, *, bucket: bool = True) -> None:
         p.add_argument("--bucket", type=int, default=1, help="batch bucket to compile for")
 
 
+def _note_bucket(bucket: int) -> None:
+    """A --bucket that no kernel template compiles for still plans and lowers (the passes take any batch), but
+    nothing would run it: say so, and which bucket the runtime would pad that batch to."""
+    from .compiler import DEFAULT_BUCKETS, bucket_for
+
+    if bucket not in DEFAULT_BUCKETS:
+        pad = bucket_for(bucket, DEFAULT_BUCKETS)
+        to = f"a batch of {bucket} runs padded to bucket {pad}: use --bucket {pad}" if pad else (
+            f"a batch above {DEFAULT_BUCKETS[-1]} is refused at run time, or runs eager with eager_fallback")
+        print(f"note: bucket {bucket} is not one of the kernel buckets {DEFAULT_BUCKETS}, so its launches have no "
+              f"kernels ('uncovered'); {to}", file=sys.stderr)
+
+
 def cmd_diff(args) -> int:
     from k3compile.models import get_config
 
@@ -25,6 +38,7 @@ def cmd_diff(args) -> int:
     from .diff_view import html_report, text_report
 
     check_tp(args.tp)
+    _note_bucket(args.bucket)
     cfg = get_config(args.config)
     cap = capture_config(cfg, tp_size=args.tp)
     opts = Options.make(buckets=(args.bucket,), dump_dir=args.dump_dir)
@@ -50,6 +64,7 @@ def cmd_plan(args) -> int:
 
     cfg = get_config(args.config)
     cfg.check_tp(args.tp)
+    _note_bucket(args.bucket)
     plan = plan_for(cfg, tp=args.tp, bucket=args.bucket, context=args.context)
     print(dumps(plan, args.bandwidth) if args.json else plan.text(args.bandwidth), end="" if not args.json else "\n")
     return 0

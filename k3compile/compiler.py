@@ -18,10 +18,10 @@ import torch.fx
 from .capture import InputInfo, classify_inputs, mark_batch_dynamic, symbolic_batch
 from .pipeline import PassContext, copy_graph_module
 from .pipeline_table import build_pipeline
+from .templates.base import BUCKETS as DEFAULT_BUCKETS  # the batch buckets the kernel templates compile for
 
 log = logging.getLogger("k3compile")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SUPPORTED_TP = (1, 2, 4, 8, 16)
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 

@@ -255,3 +255,12 @@ def const(name: str, value, doc: str) -> Constant:
 def need(cond: bool, msg: str) -> None:
     if not cond:
         raise TemplateError(msg)
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch buckets every template compiles for (compiler.DEFAULT_BUCKETS)
+
+
+def need_bucket(name: str, bucket) -> None:
+    """The error every template gives for a batch that is not one of BUCKETS."""
+    need(isinstance(bucket, int) and bucket in BUCKETS,
+         f"{name}: bucket {bucket!r} is not one of {BUCKETS}; pad the batch to the next bucket")

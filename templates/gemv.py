@@ -12,9 +12,8 @@ import math
 
 import torch
 
-from .base import Arg, Template, const, need
+from .base import Arg, Template, const, need, need_bucket
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROLOGUES = ("none", "rms_norm", "situ")
 SMS = 132  # H200
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
@@ -98,7 +97,7 @@ class Gemv(Template):
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
                   beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None,
                   segments: tuple = (), prefetch: int = 0) -> list:
-        need(bucket in BUCKETS, f"gemv: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
+        need_bucket("gemv", bucket)
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
              f"gemv: k={k} must be a positive multiple of 8 (one 128-bit load holds 8 bf16); pad K with zero "

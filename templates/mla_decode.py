@@ -36,9 +36,8 @@ import math
 
 import torch
 
-from .base import Arg, Template, const, need
+from .base import Arg, Template, const, need, need_bucket
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SMS = 132  # H200 SMs
 MAX_HEADS = 32  # two 16-row MMA tiles of heads
 TILE = 64  # cache rows per shared-memory tile (8 per warp of the attention kernel)
@@ -112,7 +111,7 @@ class MlaDecode(Template):
                   kv_eps: float, scale: float, splits: int | None = None, chunk_min: int | None = None,
                   combine: int | None = None, combine_rows: int | None = None) -> list:
         p = "mla_decode"
-        need(bucket in BUCKETS, f"{p}: bucket {bucket} is not one of {BUCKETS}; pad the batch to the next bucket")
+        need_bucket(p, bucket)
         need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
              f"{p}: heads={heads} must be in 1..{MAX_HEADS} (the local heads are the rows of at most two 16-row "
              f"MMA tiles): shard the heads over more ranks (a larger TP size)")

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import Arg, Template, const, need
+from .base import Arg, Template, const, need, need_bucket
 
 _MINI = {"n_experts": 16, "top_k": 4, "latent": 128, "inter": 256}
 _K3TP8 = {"n_experts": 896, "top_k": 16, "latent": 3584, "inter": 384}
 _ROUTING = {"renormalize": True, "scaling_factor": 2.5}
 _SITU = {"beta": 4.0, "linear_beta": 25.0}
-_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
 DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 where 8 leave too little smem)
@@ -39,8 +38,7 @@ ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
 
 def _check_common(name, bucket, n_experts, top_k, latent, inter):
-    need(isinstance(bucket, int) and bucket in _BUCKETS,
-         f"{name}: bucket {bucket!r} is not one of {_BUCKETS}; pad the batch to a bucket")
+    need_bucket(name, bucket)
     need(isinstance(n_experts, int) and 1 <= n_experts <= MAX_EXPERTS,
          f"{name}: n_experts={n_experts!r} must be an int in 1..{MAX_EXPERTS} (selection holds E/32 logits per "
          f"lane in registers); split the experts or use the eager reference")

@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Arg, Template, const, need
+from .base import Arg, Template, const, need, need_bucket
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SMS = 132  # H200 SMs: the default cluster keeps the grid (rows x CTAs per row) within one wave
 MAX_CLUSTER = 8  # portable thread-block cluster size
 MAX_NB = 16
@@ -63,8 +62,7 @@ class ResidualAttnRes(Template):
     def constants(self, *, bucket: int, d: int, nb: int, add: bool = True, has_prefix: bool = True,
                   out_norm: bool = True, add_r: bool = False, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1,
                   cluster: int | None = None) -> list:
-        need(bucket in BUCKETS, f"residual_attn_res: bucket {bucket} is not one of {BUCKETS}; pad the batch to "
-                                f"the next bucket")
+        need_bucket("residual_attn_res", bucket)
         need(isinstance(d, int) and d > 0 and d % 256 == 0,
              f"residual_attn_res: row length d={d} must be a positive multiple of 256 (8 elements x 32 threads); "
              f"pad the hidden size or use the eager reference")

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Arg, Template, const, need
+from .base import Arg, Template, const, need, need_bucket
 
-_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class SituGlu(Template):
@@ -21,7 +20,7 @@ class SituGlu(Template):
     doc = "SiTU-GLU of decode rows (gate, up -> h), 128-bit loads; the GEMV prologue as its own launch"
 
     def constants(self, *, bucket: int, k: int, beta: float, linear_beta: float) -> list:
-        need(bucket in _BUCKETS, f"situ_glu: bucket {bucket!r} is not one of {_BUCKETS}; pad the batch to a bucket")
+        need_bucket("situ_glu", bucket)
         need(isinstance(k, int) and k > 0 and k % 8 == 0,
              f"situ_glu: row length k={k!r} must be a positive multiple of 8 (one 128-bit vector per thread); "
              f"pad the intermediate size")

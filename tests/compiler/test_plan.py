@@ -119,6 +119,19 @@ def test_plan_cli_rejects_bad_tp(capsys):
     assert "does not divide" in capsys.readouterr().err
 
 
+def test_plan_cli_says_when_no_template_compiles_the_bucket(capsys):
+    """A bucket no kernel template compiles for still plans (its launches 'uncovered'), with a note naming the
+    bucket a batch of that size runs at."""
+    assert main(["plan", "--config", "k3_mini", "--bucket", "5", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert "bucket 5 is not one of the kernel buckets" in cap.err and "use --bucket 8" in cap.err
+    assert json.loads(cap.out)["bucket"] == 5
+    assert main(["plan", "--config", "k3_mini", "--bucket", "128", "--json"]) == 0
+    assert "above 64 is refused at run time" in capsys.readouterr().err
+    assert main(["plan", "--config", "k3_mini", "--bucket", "8", "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_mla_floor_reads_the_cache_up_to_the_context(capsys):
     """The latent cache counts as read up to ``context`` rows per sequence (never written by the decode op):
     the MLA+MoE layer's bytes grow by exactly B x (32000 - 1024) cached rows of C + R bf16 between the two
