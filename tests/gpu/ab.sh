@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU side of a same-call A/B (prepared by tests/gpu/ab_prepare.sh): `k3compile bench` on this tree's package
+# and on the other commit's (under its own wheel), ROUNDS times in alternating order, so that the spread
+# between rounds of one package is seen beside the difference between packages.
+#
+#   bash tests/gpu/ab.sh [bench args]     default: --config slice --layers 2,3,4 --tp 8 --buckets 1,8,64
+#                                                  --context 1024 --systems k3compile
+#
+# Prints each run's per-layer lines; everything (JSON, logs) goes into one file, $OUT/ab.tgz (a device call
+# returns few files). ROUNDS (default 2) and BENCH_TIMEOUT (seconds per bench, default 200) from the
+# environment.
+set -uo pipefail
+ROOT=$(pwd)
+AB=$ROOT/.gpu/ab
+OUT=${OUT:-/tmp/k3gpu}
+R=/tmp/ab_results
+rm -rf "$R" /tmp/ab_pk /tmp/ab_oldsite && mkdir -p "$R" /tmp/ab_pk
+ARGS=("$@")
+[ ${#ARGS[@]} -gt 0 ] || ARGS=(--config slice --layers 2,3,4 --tp 8 --buckets 1,8,64 --context 1024 --systems k3compile)
+tar xzf "$AB/new.tgz" -C /tmp/ab_pk && tar xzf "$AB/old.tgz" -C /tmp/ab_pk || { echo "ab: run ab_prepare.sh first"; exit 1; }
+source tests/gpu/setup.sh /tmp/ab_pk/new /tmp/ab_pk/old > "$R/setup.log" 2>&1 || { cat "$R/setup.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-compile --target /tmp/ab_oldsite "$AB"/old_wheel/*.whl >> "$R/setup.log" 2>&1
+echo "A/B: this tree against $(cut -c1-12 "$AB/REV"); bench ${ARGS[*]}"
+
+bench() {  # which round
+    local log="$R/$1_$2.log" json="$R/$1_$2.json" rc
+    if [ "$1" = new ]; then
+        timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli bench "${ARGS[@]}" --package /tmp/ab_pk/new \
+            --json "$json" > "$log" 2>&1
+    else  # from outside the checkout: the old wheel's k3compile, not this tree's
+        (cd /tmp && PYTHONPATH=/tmp/ab_oldsite:$PYTHONPATH timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli \
+            bench "${ARGS[@]}" --package /tmp/ab_pk/old --json "$json" > "$log" 2>&1)
+    fi
+    rc=$?
+    echo "-- $1, round $2 (rc $rc)"
+    grep -A12 "^per layer" "$log" | grep "^  layer " || tail -n 5 "$log"
+}
+
+for ((i = 1; i <= ${ROUNDS:-2}; i++)); do
+    if ((i % 2)); then bench new "$i"; bench old "$i"; else bench old "$i"; bench new "$i"; fi
+done
+tar czf "$OUT/ab.tgz" -C /tmp ab_results
+echo "results: \$OUT/ab.tgz (ab_results/{new,old}_<round>.json: k3compile bench-plot JSON PNG --by-kernel)"
