@@ -6,6 +6,8 @@
 #   bash tests/gpu/ab.sh [bench args]     default: --config slice --layers 2,3,4 --tp 8 --buckets 1,8,64
 #                                                  --context 1024 --systems k3compile
 #
+# When ab_prepare.sh built examples packages (EXAMPLES=...), each round first times their kernels alone
+# (`bench-kernels --seed 1`: the same inputs for both commits).
 # Prints each run's per-layer lines; everything (JSON, logs) goes into one file, $OUT/ab.tgz (a device call
 # returns few files). ROUNDS (default 2) and BENCH_TIMEOUT (seconds per bench, default 200) from the
 # environment.
@@ -18,9 +20,25 @@ rm -rf "$R" /tmp/ab_pk /tmp/ab_oldsite && mkdir -p "$R" /tmp/ab_pk
 ARGS=("$@")
 [ ${#ARGS[@]} -gt 0 ] || ARGS=(--config slice --layers 2,3,4 --tp 8 --buckets 1,8,64 --context 1024 --systems k3compile)
 tar xzf "$AB/new.tgz" -C /tmp/ab_pk && tar xzf "$AB/old.tgz" -C /tmp/ab_pk || { echo "ab: run ab_prepare.sh first"; exit 1; }
-source tests/gpu/setup.sh /tmp/ab_pk/new /tmp/ab_pk/old > "$R/setup.log" 2>&1 || { cat "$R/setup.log"; exit 1; }
+PKGS=(/tmp/ab_pk/new /tmp/ab_pk/old)
+[ -d /tmp/ab_pk/new/examples ] && PKGS+=(/tmp/ab_pk/new/examples /tmp/ab_pk/old/examples)
+source tests/gpu/setup.sh "${PKGS[@]}" > "$R/setup.log" 2>&1 || { cat "$R/setup.log"; exit 1; }
 python3 -m pip install -q --no-deps --no-compile --target /tmp/ab_oldsite "$AB"/old_wheel/*.whl >> "$R/setup.log" 2>&1
 echo "A/B: this tree against $(cut -c1-12 "$AB/REV"); bench ${ARGS[*]}"
+
+kernels() {  # which round: the examples alone
+    [ -d /tmp/ab_pk/new/examples ] || return 0
+    local log="$R/kernels_$1_$2.log" json="$R/kernels_$1_$2.json"
+    if [ "$1" = new ]; then
+        timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli bench-kernels --package /tmp/ab_pk/new/examples \
+            --seeds 1 --seed 1 --json "$json" > "$log" 2>&1
+    else
+        (cd /tmp && PYTHONPATH=/tmp/ab_oldsite:$PYTHONPATH timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli \
+            bench-kernels --package /tmp/ab_pk/old/examples --seeds 1 --seed 1 --json "$json" > "$log" 2>&1)
+    fi
+    echo "-- kernels alone, $1, round $2 (rc $?)"
+    grep -E "^(example|[a-z_]+:k3tp8)" "$log" || tail -n 5 "$log"
+}
 
 bench() {  # which round
     local log="$R/$1_$2.log" json="$R/$1_$2.json" rc
@@ -37,7 +55,9 @@ bench() {  # which round
 }
 
 for ((i = 1; i <= ${ROUNDS:-2}; i++)); do
-    if ((i % 2)); then bench new "$i"; bench old "$i"; else bench old "$i"; bench new "$i"; fi
+    if ((i % 2)); then order=(new old); else order=(old new); fi
+    for w in "${order[@]}"; do kernels "$w" "$i"; done
+    for w in "${order[@]}"; do bench "$w" "$i"; done
 done
 tar czf "$OUT/ab.tgz" -C /tmp ab_results
 echo "results: \$OUT/ab.tgz (ab_results/{new,old}_<round>.json: k3compile bench-plot JSON PNG --by-kernel)"

@@ -5,6 +5,9 @@
 #        --config slice:4 --tp 8 --buckets 1,8,64 --max-context 32768
 #   then, on the GPU host:  bash tests/gpu/ab.sh [bench args]   (run with carry [".gpu", ".whl"])
 #
+# With EXAMPLES=moe_down_combine,gemv (templates) it also builds both commits' `codegen --examples k3tp8`
+# packages of those templates, which ab.sh times alone with `bench-kernels` (same inputs for both).
+#
 # Writes .gpu/ab/: new.tgz and old.tgz (the two packages, compressed: a device call carries at most 64 MiB,
 # tracked files included), old_wheel/ (REV's k3compile: kernel names carry their template sources' hash, so
 # each package runs under its own code), REV (the commit), and .gpu/libcute_dsl_runtime.so.gz and
@@ -43,6 +46,16 @@ python -m pip install -q --no-deps --target "$TMP/site" "$AB"/old_wheel/*.whl > 
     --package -o "$TMP/old" > "$TMP/old.log" 2>&1) || { tail -20 "$TMP/old.log"; exit 1; }
 prune "$TMP/old"
 
+if [ -n "${EXAMPLES:-}" ]; then
+    echo "== the k3tp8 examples of $EXAMPLES, both commits"
+    k3compile codegen --examples k3tp8 --templates "$EXAMPLES" --package -o "$TMP/new/examples" > "$TMP/exn.log" 2>&1 \
+        || { tail -20 "$TMP/exn.log"; exit 1; }
+    (cd "$TMP" && PYTHONPATH="$TMP/site" K3COMPILE_CACHE="$TMP/cache_old" python -m k3compile.cli codegen --examples \
+        k3tp8 --templates "$EXAMPLES" --package -o "$TMP/old/examples" > "$TMP/exo.log" 2>&1) \
+        || { tail -20 "$TMP/exo.log"; exit 1; }
+    prune "$TMP/new/examples"
+    prune "$TMP/old/examples"
+fi
 tar czf "$AB/new.tgz" -C "$TMP" new
 tar czf "$AB/old.tgz" -C "$TMP" old
 if ! ls .whl/apache_tvm_ffi-*.whl > /dev/null 2>&1; then
