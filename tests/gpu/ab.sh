@@ -26,32 +26,28 @@ source tests/gpu/setup.sh "${PKGS[@]}" > "$R/setup.log" 2>&1 || { cat "$R/setup.
 python3 -m pip install -q --no-deps --no-compile --target /tmp/ab_oldsite "$AB"/old_wheel/*.whl >> "$R/setup.log" 2>&1
 echo "A/B: this tree against $(cut -c1-12 "$AB/REV"); bench ${ARGS[*]}"
 
-kernels() {  # which round: the examples alone
-    [ -d /tmp/ab_pk/new/examples ] || return 0
-    local log="$R/kernels_$1_$2.log" json="$R/kernels_$1_$2.json"
-    if [ "$1" = new ]; then
-        timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli bench-kernels --package /tmp/ab_pk/new/examples \
-            --seeds 1 --seed 1 --json "$json" > "$log" 2>&1
+side() {  # new|old, then a k3compile command line: this tree's code, or (from outside the checkout) the old wheel's
+    local which=$1
+    shift
+    if [ "$which" = new ]; then
+        timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli "$@"
     else
-        (cd /tmp && PYTHONPATH=/tmp/ab_oldsite:$PYTHONPATH timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli \
-            bench-kernels --package /tmp/ab_pk/old/examples --seeds 1 --seed 1 --json "$json" > "$log" 2>&1)
+        (cd /tmp && PYTHONPATH=/tmp/ab_oldsite:$PYTHONPATH timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli "$@")
     fi
+}
+
+kernels() {  # which round: the examples alone, on the same inputs for both
+    [ -d /tmp/ab_pk/new/examples ] || return 0
+    side "$1" bench-kernels --package "/tmp/ab_pk/$1/examples" --seeds 1 --seed 1 --json "$R/kernels_$1_$2.json" \
+        > "$R/kernels_$1_$2.log" 2>&1
     echo "-- kernels alone, $1, round $2 (rc $?)"
-    grep -E "^(example|[a-z_]+:k3tp8)" "$log" || tail -n 5 "$log"
+    grep -E "^(example|[a-z_]+:k3tp8)" "$R/kernels_$1_$2.log" || tail -n 5 "$R/kernels_$1_$2.log"
 }
 
 bench() {  # which round
-    local log="$R/$1_$2.log" json="$R/$1_$2.json" rc
-    if [ "$1" = new ]; then
-        timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli bench "${ARGS[@]}" --package /tmp/ab_pk/new \
-            --json "$json" > "$log" 2>&1
-    else  # from outside the checkout: the old wheel's k3compile, not this tree's
-        (cd /tmp && PYTHONPATH=/tmp/ab_oldsite:$PYTHONPATH timeout "${BENCH_TIMEOUT:-200}" python3 -m k3compile.cli \
-            bench "${ARGS[@]}" --package /tmp/ab_pk/old --json "$json" > "$log" 2>&1)
-    fi
-    rc=$?
-    echo "-- $1, round $2 (rc $rc)"
-    grep -A12 "^per layer" "$log" | grep "^  layer " || tail -n 5 "$log"
+    side "$1" bench "${ARGS[@]}" --package "/tmp/ab_pk/$1" --json "$R/$1_$2.json" > "$R/$1_$2.log" 2>&1
+    echo "-- $1, round $2 (rc $?)"
+    grep -A12 "^per layer" "$R/$1_$2.log" | grep "^  layer " || tail -n 5 "$R/$1_$2.log"
 }
 
 for ((i = 1; i <= ${ROUNDS:-2}; i++)); do

@@ -26,35 +26,38 @@ mkdir -p .git/info && grep -qx ".gpu/" .git/info/exclude 2>/dev/null || printf "
 rm -rf "$AB" && mkdir -p "$AB/old_wheel"
 git rev-parse --verify -q "$REV^{commit}" > "$AB/REV" || { echo "ab_prepare: no commit $REV" >&2; exit 2; }
 
+codegen() {  # new|old OUT, then codegen arguments: into OUT under this tree's code or REV's wheel, pruned
+    local which=$1 out=$2
+    shift 2
+    if [ "$which" = new ]; then
+        k3compile codegen "$@" --package -o "$out" > "$TMP/$which.log" 2>&1
+    else  # from outside the checkout, so that the old wheel (not this tree) is imported; its own compile cache
+        (cd "$TMP" && PYTHONPATH="$TMP/site" K3COMPILE_CACHE="$TMP/cache_old" python -m k3compile.cli codegen "$@" \
+            --package -o "$out" > "$TMP/$which.log" 2>&1)
+    fi || { tail -20 "$TMP/$which.log"; exit 1; }
+    [ -f .gpu/libcute_dsl_runtime.so.gz ] || gzip -9 -c "$out/runtime/libcute_dsl_runtime.so" > .gpu/libcute_dsl_runtime.so.gz
+    prune "$out"
+}
+
 prune() {  # keep what a GPU host loads
     rm -rf "$1/runtime"
     find "$1" \( -name kernel.ptx -o -name kernel.cubin \) -delete
 }
 
 echo "== this tree: k3compile codegen ${ARGS[*]} --package"
-k3compile codegen "${ARGS[@]}" --package -o "$TMP/new" > "$TMP/new.log" 2>&1 || { tail -20 "$TMP/new.log"; exit 1; }
-[ -f .gpu/libcute_dsl_runtime.so.gz ] || gzip -9 -c "$TMP/new/runtime/libcute_dsl_runtime.so" > .gpu/libcute_dsl_runtime.so.gz
-prune "$TMP/new"
+codegen new "$TMP/new" "${ARGS[@]}"
 
 echo "== $REV ($(cut -c1-12 "$AB/REV")): its own wheel and package"
 git worktree add -q --detach "$TMP/tree" "$(cat "$AB/REV")"
 python -m pip wheel -q --no-deps --no-build-isolation "$TMP/tree" -w "$AB/old_wheel" > "$TMP/wheel.log" 2>&1 \
     || { tail -20 "$TMP/wheel.log"; exit 1; }
 python -m pip install -q --no-deps --target "$TMP/site" "$AB"/old_wheel/*.whl > /dev/null 2>&1
-# from outside the checkout, so that the old wheel (not this tree) is imported; its own compile cache
-(cd "$TMP" && PYTHONPATH="$TMP/site" K3COMPILE_CACHE="$TMP/cache_old" python -m k3compile.cli codegen "${ARGS[@]}" \
-    --package -o "$TMP/old" > "$TMP/old.log" 2>&1) || { tail -20 "$TMP/old.log"; exit 1; }
-prune "$TMP/old"
+codegen old "$TMP/old" "${ARGS[@]}"
 
 if [ -n "${EXAMPLES:-}" ]; then
     echo "== the k3tp8 examples of $EXAMPLES, both commits"
-    k3compile codegen --examples k3tp8 --templates "$EXAMPLES" --package -o "$TMP/new/examples" > "$TMP/exn.log" 2>&1 \
-        || { tail -20 "$TMP/exn.log"; exit 1; }
-    (cd "$TMP" && PYTHONPATH="$TMP/site" K3COMPILE_CACHE="$TMP/cache_old" python -m k3compile.cli codegen --examples \
-        k3tp8 --templates "$EXAMPLES" --package -o "$TMP/old/examples" > "$TMP/exo.log" 2>&1) \
-        || { tail -20 "$TMP/exo.log"; exit 1; }
-    prune "$TMP/new/examples"
-    prune "$TMP/old/examples"
+    codegen new "$TMP/new/examples" --examples k3tp8 --templates "$EXAMPLES"
+    codegen old "$TMP/old/examples" --examples k3tp8 --templates "$EXAMPLES"
 fi
 tar czf "$AB/new.tgz" -C "$TMP" new
 tar czf "$AB/old.tgz" -C "$TMP" old
