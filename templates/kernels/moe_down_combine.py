@@ -194,8 +194,9 @@ class Kernel:
             row0 = cute.arch.block_idx()[1] * 16
         gw = rank * WARPS + warp  # this warp among the tile's NW warps
         smem = cutlass.utils.SmemAllocator()
-        sPart = smem.allocate_tensor(BFloat16 if CSPLIT == 1 else Float32, cute.make_layout((P, 16)),
-                                     16)  # per (token, slot), per row: the results of this CTA's experts
+        # per (token, slot), per row: the results of this CTA's experts (with CSPLIT row-major: DSMEM addresses)
+        sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16) if CSPLIT == 1 else \
+            smem.allocate_tensor(Float32, cute.make_layout((P, 16), stride=(16, 1)), 16)
         sG = smem.allocate_tensor(Int32, cute.make_layout((GLEN,)), 16)  # the grouping
         sOwn = smem.allocate_tensor(Int32, cute.make_layout((P if CSPLIT > 1 else 1,)), 16)  # pair -> its rank
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
