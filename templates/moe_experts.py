@@ -25,7 +25,6 @@ _ROUTING = {"renormalize": True, "scaling_factor": 2.5}
 _SITU = {"beta": 4.0, "linear_beta": 25.0}
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
-SMS = 132  # H200
 DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 where 8 leave too little smem)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
@@ -34,8 +33,6 @@ XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in 
 RING_MAX_STAGES = 4  # moe_gate_up's ring when the activations travel in it (batch >= 16 at K3), at 2 CTAs per
 # SM: at K3 batch 64 a fifth stage measured slower (298 against 286 us alone, in a variant that read moe_route's
 # grouping), and so did 3 CTAs of 3 stages (305)
-CSPLIT = 4  # moe_down_combine up to CSPLIT_MAX_BUCKET: a tile's experts over a cluster of 4 CTAs of DOWN_WARPS / 4
-CSPLIT_MAX_BUCKET = 8  # warps (896 CTAs at K3 TP8 rather than 224 of 8 warps, 0.85 of a wave: 92 SMs held two)
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
@@ -208,12 +205,12 @@ class MoeGateUp(_RoutedExperts):
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
             if wide:  # the split that best fills the last round of tasks over the warps (expected experts)
                 ksplit = _balanced_split(round(_expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket}))
-                                         * (inter // 16), SMS * wpc, steps)
+                                         * (inter // 16), 132 * wpc, steps)
             else:  # split the reduction (KSPLIT 2 or 4) while there are fewer tasks than warps to run them (at 3
                 # CTAs per SM), each warp keeping at least 4 k-steps; a warp with a whole task pipelines its
                 # k-steps and needs no shared-memory reduction
                 ksplit = 1
-                while ksplit < 4 and tasks * 2 * ksplit <= 3 * SMS * wpc and steps >= 8 * ksplit:
+                while ksplit < 4 and tasks * 2 * ksplit <= 3 * 132 * wpc and steps >= 8 * ksplit:
                     ksplit *= 2
         need(steps >= ksplit, f"{self.name}: ksplit={ksplit} needs latent >= {128 * ksplit} (a k-step per warp)")
         # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
@@ -240,7 +237,7 @@ class MoeGateUp(_RoutedExperts):
         need(bool(options), f"{self.name}: bucket {bucket} x top_k {top_k} leaves shared memory for fewer than 2 "
                             f"k-steps in flight per warp; use a smaller bucket")
         _, occ, stages = max(options)
-        ctas = min(-(-tasks // (wpc // ksplit)), occ * SMS)
+        ctas = min(-(-tasks // (wpc // ksplit)), occ * 132)
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"),
                 const("L", latent, "latent size (reduction length of gate/up)"),
@@ -396,53 +393,36 @@ class MoeRoute(_RoutedExperts):
 class MoeDownCombine(_RoutedExperts):
     name = "moe_down_combine"
     kernel_file = "moe_down_combine.py"
-    libs = ("mxfp4_lib.py", "moe_lib.py", "dsmem_lib.py")
+    libs = ("mxfp4_lib.py", "moe_lib.py")
     doc = ("MXFP4 down of the selected experts grouped by expert (mma.sync, tokens as N) + routing-weighted "
            "combine in shared memory (deterministic, no atomics)")
 
-    def examples(self):
-        ex = super().examples()
-        # one CTA per tile (no cluster) where the default splits: the partial k-step example and K3's batches
-        for label in ("mini_i192_b8", "k3tp8_b1", "k3tp8_b8"):
-            ex[label.replace("_b", "_c1_b")] = {**ex[label], "csplit": 1}
-        return ex
-
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool = True, scaling_factor: float = 1.0, beta: float = 1.0,
-                  linear_beta: float = 1.0, csplit: int | None = None) -> list:
-        # csplit: None (chosen by the bucket) unless an experiment fixes it
+                  linear_beta: float = 1.0) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
-        need(csplit in (None, 1, 2, 4), f"{self.name}: csplit={csplit!r} must be 1, 2, 4 or None (chosen by the "
-                                        f"bucket)")
-        csplit = csplit or (CSPLIT if bucket <= CSPLIT_MAX_BUCKET else 1)
         need(latent % 16 == 0, f"{self.name}: latent={latent} must be a multiple of 16 (MMA tiles of 16 output "
                                f"rows); pad the latent size")
-        # the cp.async ring: up to 4 of a warp's experts in flight, as far as the resident CTAs leave shared memory
+        # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
         # (a stage: 32 lanes x per k-step two 16-byte weight chunks and, when I/32 % 4 == 0, 8 quads x per k-step
-        # two scale words). Without a split, 2 CTAs per SM of DOWN_WARPS warps while that leaves 2 stages each,
-        # else 4 (sPart takes 32 KB at K3 batch 64; the grouping comes from moe_gate_up, in global memory). With
-        # CSPLIT, the DOWN_WARPS warps of a tile are spread over a cluster of CSPLIT CTAs, every CTA resident at
-        # once (sPart in fp32 for the DSMEM combine, and each pair's owner).
+        # two scale words); DOWN_WARPS warps per CTA while that leaves 2 stages each, else 4 (sPart takes 32 KB at
+        # K3 batch 64; the grouping comes from moe_gate_up, in global memory)
         nb = inter // 32
         steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
-        per_sm = 2 if csplit == 1 else -(-(latent // 16) * csplit // SMS)
-        for warps in ((DOWN_WARPS, 4) if csplit == 1 else (DOWN_WARPS // csplit,)):
-            fixed = (2 if csplit == 1 else 4) * p * 16 + 4 * (1 + 3 * maxa + p) + 1024  # sPart, the grouping, pad
-            fixed += 4 * p if csplit > 1 else 0  # the pairs' owners
+        for warps in (DOWN_WARPS, 4):
+            fixed = 2 * p * 16 + 4 * (1 + 3 * maxa + p) + 1024  # sPart, the grouping, padding
             per_stage = warps * 32 * steps * 2 * 16 + (warps * 8 * steps * 2 * 4 if nb % 4 == 0 else 0)  # + scales
-            room = (SMEM_PER_SM // per_sm - 1024 - fixed) // per_stage
+            room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
             if room >= 2:
                 break
         need(room >= 1, f"{self.name}: bucket {bucket} x top_k {top_k} leaves no shared memory for the weight ring; "
-                        f"use a smaller bucket" + (" or csplit=1" if csplit > 1 else ""))
-        stages = min(4, room, -(-maxa // (warps * csplit)))
+                        f"use a smaller bucket")
+        stages = min(4, room, -(-maxa // warps))
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"), const("L", latent, "latent size (rows of W2, outputs)"),
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
                 const("WARPS", warps, "warps per CTA (they take the active experts in turn)"),
-                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)"),
-                const("CSPLIT", csplit, "CTAs of a cluster sharing one tile's experts (their results meet in "
-                                        "distributed shared memory)")]
+                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

@@ -42,7 +42,6 @@ from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
-from k3compile.templates.kernels.dsmem_lib import ld_dsmem_f32
 from k3compile.templates.kernels.moe_lib import block_mma, load_groups
 
 # >>> constants
@@ -54,13 +53,11 @@ L = 128  # latent size (rows of W2, outputs)
 I = 256  # intermediate size (reduction length of down on this rank)
 WARPS = 8  # warps per CTA (they take the active experts in turn)
 STAGES = 2  # experts' weights in flight per warp (cp.async ring in shared memory)
-CSPLIT = 1  # CTAs of a cluster sharing one tile's experts (their results meet in distributed shared memory)
 # <<< constants
 
 NB = I // 32  # MX blocks per W2 row
 STEPS = (NB + 3) // 4  # k-steps of a quad (4 blocks each; the last may be partial)
-CTAS = L // 16  # one cluster (CSPLIT CTAs) per 16 output rows
-NW = CSPLIT * WARPS  # warps taking a tile's experts in turn
+CTAS = L // 16  # one CTA per 16 output rows
 P = M * TOPK  # (token, slot) pairs
 MAXA = min(E, P)  # distinct experts at most
 THREADS = 32 * WARPS
@@ -79,14 +76,9 @@ class Kernel:
         mHq = cute.recast_tensor(mH, Uint32)  # [M, TOPK, I/2] bf16 pairs
         mW2q = cute.recast_tensor(mW2, Uint32)  # [E, L, I/8] 8 codes per word
         mS2q = cute.recast_tensor(mS2, Uint32) if SCALE_RING else mS2  # [E, L, NB/4]: a k-step's 4 scales per word
-        if cutlass.const_expr(CSPLIT == 1):
-            self.kernel(mHq, mGroups, mWts, mW2q, mS2q, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
-                                                               stream=stream, use_pdl=True, min_blocks_per_mp=2,
-                                                               preferred_smem_carveout=100)
-        else:  # cluster rank = block index x, tile = block index y
-            self.kernel(mHq, mGroups, mWts, mW2q, mS2q, mY).launch(
-                grid=(CSPLIT, CTAS, 1), block=(THREADS, 1, 1), cluster=(CSPLIT, 1, 1), stream=stream, use_pdl=True,
-                min_blocks_per_mp=2 * CSPLIT, preferred_smem_carveout=100)  # the same registers per thread
+        self.kernel(mHq, mGroups, mWts, mW2q, mS2q, mY).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1),
+                                                           stream=stream, use_pdl=True, min_blocks_per_mp=2,
+                                                           preferred_smem_carveout=100)
 
     @cute.jit
     def prefetch_expert(self, a, n_active, sG: cute.Tensor, mW2q: cute.Tensor, mS2: cute.Tensor, row0):
@@ -175,11 +167,8 @@ class Kernel:
                 block_mma(rW, 0, rS[0], rS[1], rX, acc, 0, second)
             for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                 cc = nt + 2 * t + i % 2
-                if cc < num:  # the expert's output, rounded to bf16 (held as fp32 for DSMEM loads with CSPLIT)
-                    if cutlass.const_expr(CSPLIT == 1):
-                        sPart[sG[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)
-                    else:
-                        sPart[sG[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16).to(Float32)
+                if cc < num:
+                    sPart[sG[start + cc], g + 8 * (i // 2)] = acc[i].to(BFloat16)  # expert output, bf16
 
     @cute.kernel
     def kernel(self, mHq: cute.Tensor, mGroups: cute.Tensor, mWts: cute.Tensor, mW2q: cute.Tensor,
@@ -187,18 +176,10 @@ class Kernel:
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        rank = 0  # this CTA's rank in its tile's cluster (CSPLIT)
         row0 = cute.arch.block_idx()[0] * 16
-        if cutlass.const_expr(CSPLIT > 1):
-            rank = cute.arch.block_idx()[0]
-            row0 = cute.arch.block_idx()[1] * 16
-        gw = rank * WARPS + warp  # this warp among the tile's NW warps
         smem = cutlass.utils.SmemAllocator()
-        # per (token, slot), per row: the results of this CTA's experts (with CSPLIT row-major: DSMEM addresses)
-        sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16) if CSPLIT == 1 else \
-            smem.allocate_tensor(Float32, cute.make_layout((P, 16), stride=(16, 1)), 16)
+        sPart = smem.allocate_tensor(BFloat16, cute.make_layout((P, 16)), 16)  # per (token, slot), per row
         sG = smem.allocate_tensor(Int32, cute.make_layout((GLEN,)), 16)  # the grouping
-        sOwn = smem.allocate_tensor(Int32, cute.make_layout((P if CSPLIT > 1 else 1,)), 16)  # pair -> its rank
         # the weight ring, row-major: a lane's 16 bytes contiguous, lanes side by side (no bank conflicts)
         sW = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 2 * STEPS, 32, 4),
                                                            stride=(STAGES * STEPS * 256, STEPS * 256, 128, 4, 1)), 16)
@@ -211,11 +192,6 @@ class Kernel:
         load_groups(mGroups, sG, tid, THREADS)
         cute.arch.sync_threads()
         n_active = sG[0]
-        if cutlass.const_expr(CSPLIT > 1):  # which CTA of the cluster holds each pair's result (read after the
-            for a in cutlass.range(tid, n_active, THREADS, unroll=1):  # cluster barrier)
-                start = G_PAIRS + sG[G_START + a]
-                for i in cutlass.range(sG[G_NUM + a], unroll=1):
-                    sOwn[sG[start + i]] = (a % NW) // WARPS
 
         mHf = cute.make_tensor(mHq.iterator, cute.make_layout((P, I // 2), stride=(I // 2, 1)))  # h by pair
         g = lane // 4  # MMA rows g and g + 8, and the token column of this lane
@@ -224,25 +200,25 @@ class Kernel:
         rS = cute.make_rmem_tensor((2,), Uint32)
         rX = cute.make_rmem_tensor((16,), Uint32)  # one k-step's activations of the lane's column
         acc = cute.make_rmem_tensor((4,), Float32)
-        n_mine = (n_active - gw + NW - 1) // NW  # this warp's experts: gw, gw + NW, ...
+        n_mine = (n_active - warp + WARPS - 1) // WARPS  # this warp's experts: warp, warp + WARPS, ...
         # a ring of STAGES experts in flight: one cp.async group per expert (empty past the warp's last)
         for k in cutlass.range_constexpr(STAGES - 1):
             if k < n_mine:
-                self.issue_expert(mW2q, mS2, sG[G_ACT + gw + k * NW], row0, g, t,
+                self.issue_expert(mW2q, mS2, sG[G_ACT + warp + k * WARPS], row0, g, t,
                                   sW[warp, k, None, None, None], sS[warp, k, None, None], lane)
             cute.arch.cp_async_commit_group()
         for k in cutlass.range(n_mine, unroll=1):
             if lane == 0:  # the expert after the ring's last: into L2 now
-                self.prefetch_expert(gw + (k + STAGES) * NW, n_active, sG, mW2q, mS2, row0)
+                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, sG, mW2q, mS2, row0)
             nxt = k + STAGES - 1
             cute.arch.sync_warp()  # every lane is done with expert k - 1, whose stage is refilled now
             if nxt < n_mine:
-                self.issue_expert(mW2q, mS2, sG[G_ACT + gw + nxt * NW], row0, g, t,
+                self.issue_expert(mW2q, mS2, sG[G_ACT + warp + nxt * WARPS], row0, g, t,
                                   sW[warp, nxt % STAGES, None, None, None], sS[warp, nxt % STAGES, None, None], lane)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(STAGES - 1)  # expert k has landed (this lane's copies)
             cute.arch.sync_warp()  # ... and every lane's: the quad's scale words
-            a = gw + k * NW
+            a = warp + k * WARPS
             stage_w = sW[warp, k % STAGES, None, None, None]
             stage_s = sS[warp, k % STAGES, None, None]
             if cutlass.const_expr(SCALE_RING):  # the expert's scale bytes decide the decode's form, warp-wide
@@ -252,30 +228,11 @@ class Kernel:
                     self.expert(False, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
             else:  # scale bytes from global memory, per lane: the second factor predicated
                 self.expert(None, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
-        if cutlass.const_expr(CSPLIT == 1):
-            cute.arch.sync_threads()
-            for idx in cutlass.range(tid, M * 16, THREADS, unroll=1):  # combine: slot order, fp32
-                m = idx // 16
-                r = idx % 16
-                total = Float32(0.0)
-                for j in cutlass.range_constexpr(TOPK):
-                    total = total + sPart[m * TOPK + j, r].to(Float32) * mWts[m, j]
-                mY[m, row0 + r] = total.to(BFloat16)
-        else:
-            # cluster barrier (release / acquire): then CTA q combines its share of the tile's (token, row)
-            # outputs, each slot's result loaded from the CTA that computed it (DSMEM), in slot order; a second
-            # barrier keeps every CTA's shared memory alive until its peers have read it
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            base = sPart.iterator.toint()
-            share = M * 16 // CSPLIT
-            for idx in cutlass.range(rank * share + tid, (rank + 1) * share, THREADS, unroll=1):
-                m = idx // 16
-                r = idx % 16
-                total = Float32(0.0)
-                for j in cutlass.range_constexpr(TOPK):
-                    p = m * TOPK + j
-                    total = total + ld_dsmem_f32(base + 4 * (p * 16 + r), sOwn[p]) * mWts[m, j]
-                mY[m, row0 + r] = total.to(BFloat16)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+        cute.arch.sync_threads()
+        for idx in cutlass.range(tid, M * 16, THREADS, unroll=1):  # combine: slot order, fp32
+            m = idx // 16
+            r = idx % 16
+            total = Float32(0.0)
+            for j in cutlass.range_constexpr(TOPK):
+                total = total + sPart[m * TOPK + j, r].to(Float32) * mWts[m, j]
+            mY[m, row0 + r] = total.to(BFloat16)

@@ -16,8 +16,8 @@ import torch
 from k3compile import dialect
 from k3compile.models import mxfp4
 from k3compile.templates import TemplateError, get
-from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, CSPLIT, CSPLIT_MAX_BUCKET, RING_MAX_STAGES,
-                                              ROUTE_MIN_BUCKET, group_len, ids_from_groups, ref_groups)
+from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, RING_MAX_STAGES, ROUTE_MIN_BUCKET, group_len,
+                                              ids_from_groups, ref_groups)
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
 from template_checks import module_constants
 from k3compile.mxfp4_mirror import (decode_e2m1x8_packed, every_byte_every_scale, packed_source_bits, prepack,
@@ -30,8 +30,7 @@ GU, DC, RT = get("moe_gate_up"), get("moe_down_combine"), get("moe_route")
 def test_the_kernels_use_the_moe_library():
     for t in (GU, DC, RT):
         assert "from k3compile.templates.kernels.moe_lib import" in t.source()
-        assert t.libs[:2] == ("mxfp4_lib.py", "moe_lib.py")
-    assert DC.libs[2:] == ("dsmem_lib.py",) and "import ld_dsmem_f32" in DC.source()  # the clustered combine
+        assert t.libs == ("mxfp4_lib.py", "moe_lib.py")
     # the library is part of the kernels' identity: editing it renames (and recompiles) every MXFP4 kernel
 
     class WithoutLib(type(GU)):
@@ -150,9 +149,7 @@ def _gate_up_smem(env):  # the kernel's allocations, in its order (moe_gate_up.k
 def _down_smem(env):  # moe_down_combine.kernel (the grouping comes from moe_gate_up)
     ring = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32 * 4
     scales = 4 * env["WARPS"] * env["STAGES"] * 8 * 2 * env["STEPS"]  # a word per quad, k-step and row half
-    split = env["CSPLIT"] > 1  # sPart in fp32 (DSMEM loads) and each pair's owner
-    return _allocated([(4 if split else 2) * env["P"] * 16, 4 * env["GLEN"], 4 * (env["P"] if split else 1), ring,
-                       scales])
+    return _allocated([2 * env["P"] * 16, 4 * env["GLEN"], ring, scales])
 
 
 @pytest.mark.parametrize("shape", [_K3, _MINI], ids=["k3tp8", "mini"])
@@ -166,9 +163,7 @@ def test_shared_memory_fits_at_every_bucket(shape):
         assert env["STAGES"] >= min(2, -(-env["STEPS"] // env["KSPLIT"])), b
         env = module_constants(DC.point(bucket=b, **shape).render())
         used = _down_smem(env)
-        # two CTAs per SM, or every CTA of the clustered grid resident at once
-        per_sm = 2 if env["CSPLIT"] == 1 else -(-env["CTAS"] * env["CSPLIT"] // 132)
-        assert per_sm * (used + 1024) <= SMEM_PER_SM, (b, used, per_sm)
+        assert 2 * (used + 1024) <= SMEM_PER_SM, (b, used)  # two CTAs per SM (min_blocks_per_mp=2)
         assert env["STAGES"] >= 1, b
 
 
@@ -212,22 +207,9 @@ def test_down_takes_8_warps_where_two_stages_fit():
     # batch 64 too, since down reads gate/up's grouping instead of grouping the ids (26 KB less shared memory);
     # batch 8 4 stages and batch 32 3, since one lane of a quad copies each scale word
     for b, warps, stages in ((1, 8, 2), (8, 8, 4), (32, 8, 3), (64, 8, 2)):
-        c = DC.point(bucket=b, **_K3, csplit=1 if b <= CSPLIT_MAX_BUCKET else None).c
-        assert (c["WARPS"], c["STAGES"], c["CSPLIT"]) == (warps, stages, 1), b
-    assert DC.point(bucket=64, **{**_K3, "top_k": 32}).c["WARPS"] == 4  # 64 KB of sPart: 4 warps keep 2 stages
-
-
-def test_down_splits_small_batches_over_a_cluster():
-    # up to CSPLIT_MAX_BUCKET the 8 warps of a tile are 4 CTAs of 2 (896 CTAs at K3 TP8, 7 per SM, all resident:
-    # 224 CTAs of 8 warps are 0.85 of a wave, two on 92 SMs and one on 40); the ring as deep as 7 CTAs per SM allow
-    for b, stages in ((1, 2), (2, 4), (4, 3), (8, 3)):
         c = DC.point(bucket=b, **_K3).c
-        assert (c["CSPLIT"], c["WARPS"], c["STAGES"]) == (CSPLIT, 8 // CSPLIT, stages), b
-    assert DC.point(bucket=16, **_K3).c["CSPLIT"] == 1
-    with pytest.raises(TemplateError, match="csplit=3"):
-        DC.point(bucket=8, **_K3, csplit=3)
-    with pytest.raises(TemplateError, match="or csplit=1"):  # 128 KB of fp32 sPart: no ring fits 7 CTAs per SM
-        DC.point(bucket=64, **_K3, csplit=4)
+        assert (c["WARPS"], c["STAGES"]) == (warps, stages), b
+    assert DC.point(bucket=64, **{**_K3, "top_k": 32}).c["WARPS"] == 4  # 64 KB of sPart: 4 warps keep 2 stages
 
 
 def test_groups_reference_is_the_kernels_deterministic_grouping():
@@ -375,6 +357,6 @@ def reports(tmp_path_factory):
 
 @pytest.mark.timeout(1800)
 def test_examples_compile_without_spills(reports):
-    assert len(reports) == 22
+    assert len(reports) == 19
     for key, rep in reports.items():
         assert rep["stack_bytes"] == 0, (key, rep)
