@@ -19,6 +19,12 @@ says must move -- weights, the experts the batch selects, the state read and wri
 bandwidth measured in the same run), kernel launches per step (counted by the profiler), and GPU memory
 beyond weights and state.
 
+A time is only a result if the step computed something: every k3compile row checks the logits of one more step
+after the timing (``output_problem``: all finite), and a row that fails is marked INVALID in the table, the JSON
+(``invalid``) and the exit status (1). A kernel that writes NaN can make a step *faster* (at batch 8 NaN router
+logits collapse the selection onto a few experts: a broken moe_down_combine measured 0.98 x the floor, 2026-12-03),
+so a per-layer figure below its floor is flagged BELOW THE FLOOR as well.
+
 Per layer type: the step time of a model with the first ``n`` layers minus that with ``n - 1`` layers is
 the n-th layer's time (``--layers 1,2,4`` on a slice: layer 2 is KDA + MoE, layer 4 gated MLA + MoE).
 
@@ -90,6 +96,7 @@ class Row:
     kernels: list = dataclasses.field(default_factory=list)  # [{"name", "calls", "us", "exposed_us"}] per step
     planned_kernels: list = dataclasses.field(default_factory=list)  # k3compile: per layer, the plan's kernels
     input_copies: int = -1  # k3compile: torch copies of strided kernel inputs per step (runtime.input_copies)
+    invalid: str = ""  # k3compile: why the step's output is not a result (output_problem), else ""
 
     @property
     def x_floor(self) -> float:
@@ -306,7 +313,7 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                         relaid = runtime.relaid_bytes() - relaid0  # made by this row (kept with the weights)
                         if system.startswith("k3compile"):
                             runtime.reset_launch_counts()
-                            fn()
+                            row.invalid = output_problem(fn())
                             row.input_copies = sum(runtime.input_copies().values())
                             row.relaid_mb = runtime.relaid_bytes(model) / 2**20
                         row.extra_mem_mb = (torch.cuda.memory_allocated() - mem0 - relaid) / 2**20
@@ -327,6 +334,14 @@ def run_model(model, *, tp: int, buckets, contexts, package: str | None, systems
                 gc.collect()
                 torch.cuda.empty_cache()
     return rows
+
+
+def output_problem(logits) -> str:
+    """Why a step's logits are not a result (non-finite values), else ""."""
+    if not isinstance(logits, torch.Tensor):
+        return f"the step returned {type(logits).__name__}, not logits"
+    bad = int((~torch.isfinite(logits)).sum())
+    return f"{bad} of {logits.numel()} logits not finite (a kernel wrote NaN/Inf)" if bad else ""
 
 
 def _note(e: BaseException) -> str:
@@ -538,12 +553,13 @@ def per_layer(rows: list[Row]) -> list[dict]:
     out = []
     for (n, ctx, b, s), r in sorted(by.items()):
         prev = by.get((n - 1, ctx, b, s))
-        if prev is None:
-            continue
+        if prev is None or r.us_per_step != r.us_per_step or prev.us_per_step != prev.us_per_step:
+            continue  # no shallower row, or one of the two did not run (NaN time, its note says why)
         busy = (busy_us(r) - busy_us(prev)) if r.kernels and prev.kernels else None
         out.append({"layer": n, "context": ctx, "bucket": b, "system": s,
                     "us": r.us_per_step - prev.us_per_step, "busy_us": busy,
                     "host_bound": host_bound(r) or host_bound(prev), "floor_us": r.floor_us - prev.floor_us,
+                    "invalid": r.invalid or prev.invalid,
                     "launches": r.launches - prev.launches,
                     "planned": r.planned_kernels[n - 1] if len(r.planned_kernels) >= n else None})
     return out
@@ -639,7 +655,7 @@ def _fmt(r: Row) -> str:
     return (f"{r.config:<10} L{r.layers:<3} tp{r.tp} ctx {r.context:>6} b{r.bucket:<3} {r.system:<16} "
             f"{r.us_per_step:>10.1f} us  floor {r.floor_us:>8.1f} us  x{r.x_floor:>6.2f}  launches {r.launches:>5}  "
             f"+mem {r.extra_mem_mb:>8.1f} MB  " + (f"(+{r.relaid_mb:.0f} MB relaid weights) " if r.relaid_mb else "")
-            + r.note)
+            + r.note + (f"  INVALID: {r.invalid}" if r.invalid else ""))
 
 
 def _fmt_kernels(kernels: list[dict], top: int = 12) -> str:
@@ -665,6 +681,10 @@ def table(result: dict) -> str:
             busy = p.get("busy_us")
             gpu = (f"  GPU busy {busy:8.1f} us x{busy / p['floor_us']:5.2f}" if busy is not None else "")
             flag = "  HOST-BOUND: the wall difference measures the host; use GPU busy" if p.get("host_bound") else ""
+            if (busy if busy is not None else p["us"]) < p["floor_us"] and not (busy is None and p.get("host_bound")):
+                flag += "  BELOW THE FLOOR: faster than its bytes allow; check the outputs"
+            if p.get("invalid"):
+                flag += f"  INVALID: {p['invalid']}"
             planned = p.get("planned")
             if planned is not None:  # the profiler's count against the plan's (k3compile plan)
                 flag = (f" (plan {planned})" if planned == p["launches"] else
@@ -696,13 +716,17 @@ def main(args) -> int:
               package=args.package, systems=tuple(args.systems), steps=args.steps,
               log=(lambda s: print(s, file=sys.stderr, flush=True)) if rank0 else (lambda s: None), partial=save)
     save(res)
+    invalid = sorted({r["invalid"] for r in res["rows"] if r.get("invalid")})
     if rank0:
         print(table(res))
         if args.png:
             plot(res, args.png)
+        if invalid:
+            print(f"k3compile bench: INVALID rows (their times are not results): {'; '.join(invalid)}",
+                  file=sys.stderr)
     if torchrun_world() > 1 and dist.is_initialized():
-        leave(0)
-    return 0
+        leave(1 if invalid else 0)
+    return 1 if invalid else 0
 
 
 COLORS = {"eager": (214, 39, 40), "eager-bf16": (148, 103, 189), "eager-graph": (227, 119, 194),

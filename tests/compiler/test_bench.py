@@ -28,6 +28,9 @@ def test_per_layer_time_is_the_difference_of_depths():
     assert set(got) == {(2, "k3compile"), (3, "k3compile")}  # eager has no depth-1 row to subtract
     assert got[2, "k3compile"]["us"] == 150.0 and got[2, "k3compile"]["floor_us"] == 60.0
     assert got[3, "k3compile"]["launches"] == 13
+    # a row that did not run (NaN time, launches -1: its note says why) gives no difference, not a NaN line
+    failed = _row(1, "k3compile", float("nan"), 40.0, -1)
+    assert bench.per_layer([failed, _row(2, "k3compile", 250.0, 100.0, 33)]) == []
 
 
 def test_per_layer_launches_beside_the_plans_kernels():
@@ -81,6 +84,36 @@ def test_per_layer_gpu_busy_time_and_host_bound_rows():
     assert "GPU busy  " not in bench.table({"rows": [], "per_layer": [q]})
     assert [dataclasses.asdict(r) for r in bench.rows_of({"rows": [dataclasses.asdict(l1)]})] == [
         dataclasses.asdict(l1)]
+
+
+def test_a_step_that_computed_nan_is_invalid_and_a_layer_below_its_floor_is_flagged(monkeypatch, capsys):
+    # 2026-12-03: a moe_down_combine that left rows unwritten (NaN) made batch 8's layer 0.98 x its floor, since NaN
+    # router logits collapse the selection; bench printed the time as a result. Now the step's logits are checked.
+    assert bench.output_problem(torch.ones(2, 8)) == ""
+    logits = torch.ones(2, 8)
+    logits[1, 3], logits[0, 0] = float("nan"), float("inf")
+    assert bench.output_problem(logits) == "2 of 16 logits not finite (a kernel wrote NaN/Inf)"
+    assert "not logits" in bench.output_problem(None)
+    rows = [_row(1, "k3compile", 100.0, 40.0), _row(2, "k3compile", 150.0, 100.0), _row(3, "k3compile", 300.0, 160.0)]
+    rows[1].invalid = bench.output_problem(logits)
+    per = bench.per_layer(rows)
+    assert [p["invalid"] for p in per] == [rows[1].invalid] * 2  # either row of the difference
+    text = bench.table({"rows": [dataclasses.asdict(r) for r in rows], "per_layer": per})
+    layer2, layer3 = (line for line in text.splitlines() if line.startswith("  layer"))
+    assert "BELOW THE FLOOR" in layer2 and "INVALID: 2 of 16 logits" in layer2  # 50 us for a 60 us floor
+    assert "BELOW THE FLOOR" not in layer3 and "INVALID" in layer3
+    assert "INVALID: 2 of 16" in bench._fmt(rows[1]) and "INVALID" not in bench._fmt(rows[0])
+    # a host-bound wall difference below the floor is the host's, not a result to question
+    assert "BELOW" not in bench.table({"rows": [], "per_layer": [{**per[1], "us": 10.0, "host_bound": True}]})
+    # the exit status: 1 when a row is invalid (its JSON written all the same)
+    result = {"bandwidth": 4e12, "rows": [dataclasses.asdict(r) for r in rows], "per_layer": per}
+    monkeypatch.setattr(bench, "run", lambda *a, **k: result)
+    args = type("A", (), {"json": None, "png": None, "config": "slice", "layers": [1, 2, 3], "tp": 8, "buckets": [1],
+                          "context": [1024], "package": None, "systems": ["k3compile"], "steps": 8})()
+    assert bench.main(args) == 1 and "INVALID rows" in capsys.readouterr().err
+    rows[1].invalid = ""
+    result["rows"] = [dataclasses.asdict(r) for r in rows]
+    assert bench.main(args) == 0
 
 
 def test_bench_plot_prints_the_table_with_gpu_busy_layers(tmp_path, capsys):
