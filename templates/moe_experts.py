@@ -397,18 +397,10 @@ class MoeDownCombine(_RoutedExperts):
     doc = ("MXFP4 down of the selected experts grouped by expert (mma.sync, tokens as N) + routing-weighted "
            "combine in shared memory (deterministic, no atomics)")
 
-    def examples(self):
-        ex = super().examples()
-        ex["k3tp8_pf3_b8"] = {**ex["k3tp8_b8"], "prefetch_ahead": 3}  # 3 experts past the ring in L2 (an experiment)
-        return ex
-
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool = True, scaling_factor: float = 1.0, beta: float = 1.0,
-                  linear_beta: float = 1.0, prefetch_ahead: int = 1) -> list:
-        # prefetch_ahead: an experiment's knob (experts past the ring pulled into L2)
+                  linear_beta: float = 1.0) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
-        need(isinstance(prefetch_ahead, int) and prefetch_ahead >= 1,
-             f"{self.name}: prefetch_ahead={prefetch_ahead!r} must be an int >= 1 (experts past the ring in L2)")
         need(latent % 16 == 0, f"{self.name}: latent={latent} must be a multiple of 16 (MMA tiles of 16 output "
                                f"rows); pad the latent size")
         # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
@@ -430,8 +422,7 @@ class MoeDownCombine(_RoutedExperts):
                 const("TOPK", top_k, "experts per token"), const("L", latent, "latent size (rows of W2, outputs)"),
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
                 const("WARPS", warps, "warps per CTA (they take the active experts in turn)"),
-                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)"),
-                const("PF_AHEAD", prefetch_ahead, "experts past the ring pulled into L2 ahead of it (bulk prefetch)")]
+                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

@@ -19,7 +19,7 @@ step with fewer than 4 blocks leaves the other lanes' operands zero). A warp's e
 ``cp.async`` ring of STAGES experts in shared memory (16-byte weight copies and, when I/32 is a multiple of
 4, the quad's scale words, each copied by one of its lanes; a ``__syncwarp`` after each wait and before each
 refill, no barrier), so STAGES - 1 experts are in flight while one is computed; the expert after the ring's
-last (and the PF_AHEAD - 1 after it) are prefetched into L2 (one bulk prefetch each). A k-step at a time: the column's activations (global,
+last is prefetched into L2 (one bulk prefetch). A k-step at a time: the column's activations (global,
 L2-resident; a column past the group reads the group's last pair instead of a branch), the step's weights
 from the ring, the decode and MMA, so a thread needs at most 128 registers and two CTAs of WARPS warps share
 an SM (8, or 4 where shared memory leaves 8 warps fewer than 2 stages: 16 warps hide the loads' and MMAs'
@@ -53,7 +53,6 @@ L = 128  # latent size (rows of W2, outputs)
 I = 256  # intermediate size (reduction length of down on this rank)
 WARPS = 8  # warps per CTA (they take the active experts in turn)
 STAGES = 2  # experts' weights in flight per warp (cp.async ring in shared memory)
-PF_AHEAD = 1  # experts past the ring pulled into L2 ahead of it (bulk prefetch)
 # <<< constants
 
 NB = I // 32  # MX blocks per W2 row
@@ -203,17 +202,14 @@ class Kernel:
         acc = cute.make_rmem_tensor((4,), Float32)
         n_mine = (n_active - warp + WARPS - 1) // WARPS  # this warp's experts: warp, warp + WARPS, ...
         # a ring of STAGES experts in flight: one cp.async group per expert (empty past the warp's last)
-        if lane == 0:  # the experts past the ring's first fill, but the one its first step prefetches: into L2
-            for d in cutlass.range_constexpr(PF_AHEAD - 1):
-                self.prefetch_expert(warp + (STAGES + d) * WARPS, n_active, sG, mW2q, mS2, row0)
         for k in cutlass.range_constexpr(STAGES - 1):
             if k < n_mine:
                 self.issue_expert(mW2q, mS2, sG[G_ACT + warp + k * WARPS], row0, g, t,
                                   sW[warp, k, None, None, None], sS[warp, k, None, None], lane)
             cute.arch.cp_async_commit_group()
         for k in cutlass.range(n_mine, unroll=1):
-            if lane == 0:  # PF_AHEAD experts after the ring's last: into L2 now
-                self.prefetch_expert(warp + (k + STAGES + PF_AHEAD - 1) * WARPS, n_active, sG, mW2q, mS2, row0)
+            if lane == 0:  # the expert after the ring's last: into L2 now
+                self.prefetch_expert(warp + (k + STAGES) * WARPS, n_active, sG, mW2q, mS2, row0)
             nxt = k + STAGES - 1
             cute.arch.sync_warp()  # every lane is done with expert k - 1, whose stage is refilled now
             if nxt < n_mine:
