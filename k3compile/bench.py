@@ -43,6 +43,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -553,7 +554,7 @@ def per_layer(rows: list[Row]) -> list[dict]:
     out = []
     for (n, ctx, b, s), r in sorted(by.items()):
         prev = by.get((n - 1, ctx, b, s))
-        if prev is None or r.us_per_step != r.us_per_step or prev.us_per_step != prev.us_per_step:
+        if prev is None or math.isnan(r.us_per_step) or math.isnan(prev.us_per_step):
             continue  # no shallower row, or one of the two did not run (NaN time, its note says why)
         busy = (busy_us(r) - busy_us(prev)) if r.kernels and prev.kernels else None
         out.append({"layer": n, "context": ctx, "bucket": b, "system": s,
@@ -681,7 +682,9 @@ def table(result: dict) -> str:
             busy = p.get("busy_us")
             gpu = (f"  GPU busy {busy:8.1f} us x{busy / p['floor_us']:5.2f}" if busy is not None else "")
             flag = "  HOST-BOUND: the wall difference measures the host; use GPU busy" if p.get("host_bound") else ""
-            if (busy if busy is not None else p["us"]) < p["floor_us"] and not (busy is None and p.get("host_bound")):
+            # the layer's own figure: GPU busy, else the wall difference unless the host set it
+            layer_us = busy if busy is not None else None if p.get("host_bound") else p["us"]
+            if layer_us is not None and layer_us < p["floor_us"]:
                 flag += "  BELOW THE FLOOR: faster than its bytes allow; check the outputs"
             if p.get("invalid"):
                 flag += f"  INVALID: {p['invalid']}"
