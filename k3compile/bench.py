@@ -154,15 +154,15 @@ def _plan_figures(lowered, model, state, ids, tp: int, bucket: int, context: int
 
 def planned_kernels(plan, emulated: bool) -> list:
     """Per decoder layer (index = layer), the GPU kernels the plan says the profiler will count for a k3compile
-    row: the templates' kernels, a torch op's kernel, and in one-GPU TP emulation one copy per all-gather (the
-    runtime repeats this rank's shard; the all-reduce is the identity there). Empty under real TP: NCCL's
-    kernels are not modelled."""
+    row: the templates' kernels, a torch op's kernel, and in one-GPU TP emulation one copy per all-gather the
+    kernel before it did not write in the gathered layout (the runtime repeats this rank's shard; the
+    all-reduce is the identity there). Empty under real TP: NCCL's kernels are not modelled."""
     if plan.tp > 1 and not emulated:
         return []
     out = []
     for lp in sorted((lp for lp in plan.layers if lp.layer >= 0), key=lambda lp: lp.layer):
         c = lp.counts()
-        out.append(c["gpu_kernels"] + c["torch_ops"] + (c["collectives"].get("all_gather", 0) if emulated else 0))
+        out.append(c["gpu_kernels"] + c["torch_ops"] + (c["emulated_copies"] if emulated else 0))
     return out
 
 

@@ -71,9 +71,11 @@ PREFETCH_MAX = 0  # bytes of weights a GEMV pulls into L2 before its PDL wait, a
 _PROLOGUE_NOTE = "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own kernel"
 
 
-def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0, segments=()):
+def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0, **layout):
+    """A gemv spec; ``layout`` (segments, replicas, f32_replicas) only where given (the default layout's
+    parameters stay out of the spec, so its kernel names do not change)."""
     params = dict(bucket=bucket, n=n, k=k, n_f32=n_f32, pro=pro, eps=eps, beta=beta, linear_beta=linear_beta)
-    return ("gemv", {**params, "segments": segments} if segments else params)
+    return ("gemv", {**params, **{key: v for key, v in layout.items() if v}})
 
 
 def _rows(node, tp: int, gather: bool) -> int:
@@ -87,12 +89,19 @@ def _lower_front_gemm(node, b, tp):
     n_f32 = sum(_rows(w, tp, g) for w, f, g in zip(ws, fp32, gather) if f)
     n = sum(_rows(w, tp, g) for w, g in zip(ws, gather))
     note = "weights concatenated at load (fp32 entries first); " + (
-        "gathered entries: this rank's rows, all-gathered after the kernel" if tp > 1 and any(gather) else "")
+        "gathered entries: this rank's rows, written into every rank's slot of the gathered layout" if tp > 1
+        and any(gather) else "")
     # with more than one batch row, a column slice of a [M, n] output is strided: the kernel writes each bf16
-    # entry as its own compact [M, rows] block instead, so its consumers need no copy
+    # entry as its own compact [M, rows] block instead, so its consumers need no copy. An all-gathered entry's
+    # block holds TP copies of this rank's rows (REPLICAS): the gathered layout, which one-GPU emulation uses as
+    # it is and real ranks fill by an all-gather of one slot (runtime.Binding._front_gemm)
     segs = tuple(_rows(w, tp, g) for w, f, g in zip(ws, fp32, gather) if not f)
-    extra = {"segments": segs} if b > 1 and len(segs) > 1 else {}
-    return [_gemv(b, n, k, n_f32=n_f32, **extra)], note.rstrip("; ")
+    reps = tuple(tp if g and tp > 1 else 1 for f, g in zip(fp32, gather) if not f)
+    f32_gather = [g for f, g in zip(fp32, gather) if f]
+    f32_reps = tp if tp > 1 and f32_gather == [True] else 1  # one gathered fp32 entry (the router logits)
+    gathered = any(r > 1 for r in reps)
+    return [_gemv(b, n, k, n_f32=n_f32, segments=segs if (b > 1 and len(segs) > 1) or gathered else (),
+                  replicas=reps if gathered else (), f32_replicas=f32_reps if f32_reps > 1 else 0)], note.rstrip("; ")
 
 
 def _lower_linear(node, b, tp):

@@ -68,6 +68,7 @@ class Launch:
     kernels: list = field(default_factory=list)  # template of each kernel point (codegen.lower_node), in order
     gpu_kernels: int | None = None  # GPU kernels those points launch; None: no template covers it (uncovered)
     collectives: dict = field(default_factory=dict)  # kind -> count, issued by the runtime (torch.distributed)
+    emulated_copies: int = 0  # all-gathers one-GPU TP emulation runs as a copy kernel (not written gathered)
     uncovered: str = ""  # why no template covers the launch
     fx: object = field(default=None, repr=False, compare=False)  # the lowered graph's node (codegen reads it)
 
@@ -109,7 +110,8 @@ class LayerPlan:
                 coll[k] = coll.get(k, 0) + n
         return {"gpu_kernels": sum(l.gpu_kernels or 0 for l in self.launches),
                 "torch_ops": sum(1 for l in self.launches if l.kernel == TORCH_OP),
-                "uncovered": sum(1 for l in self.launches if l.uncovered), "collectives": coll}
+                "uncovered": sum(1 for l in self.launches if l.uncovered), "collectives": coll,
+                "emulated_copies": sum(l.emulated_copies for l in self.launches)}
 
     def counts_text(self) -> str:
         c = self.counts()
@@ -406,6 +408,7 @@ def _attach_kernels(launches, bucket: int, tp: int) -> None:
     from .codegen import _LOWERING, lower_node, per_launch
     from .templates import get as get_template
     from .templates.base import TemplateError
+    from .templates.gemv import gathered_in_kernel
 
     groups: dict = {}
     for _, la, node in launches:
@@ -416,6 +419,7 @@ def _attach_kernels(launches, bucket: int, tp: int) -> None:
         op, why = dialect.op_name(node), ""
         if op in ("tp_all_reduce", "tp_all_gather"):  # only the collective itself
             las[0].gpu_kernels = 0
+            las[0].emulated_copies = las[0].collectives.get("all_gather", 0)
             continue
         if op not in _LOWERING:
             why = f"no template for dialect op {op}"
@@ -432,6 +436,12 @@ def _attach_kernels(launches, bucket: int, tp: int) -> None:
         for la, ps in zip(las, per_launch(points, len(las))):
             la.kernels = [p.template.name for p in ps]
             la.gpu_kernels = sum(p.kernels for p in ps)
+        # one-GPU emulation copies each all-gathered shard (runtime._gather) unless the kernel wrote it in the
+        # gathered layout itself (a front GEMV's REPLICAS / F32_REPLICAS)
+        gathers = las[0].collectives.get("all_gather", 0)
+        if op == "front_gemm" and gathers:
+            gathers -= sum(gathered_in_kernel(p.c) for p in points if p.template.name == "gemv")
+        las[0].emulated_copies = gathers
 
 
 def _assign_events(launches) -> None:

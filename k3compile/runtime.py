@@ -343,21 +343,31 @@ class Binding:
             if cat is None:
                 cat = self._weights[key] = _concatenate(ws, order, rows, rank)
         out = g(w=cat, x=a["x"])
+        c = g.point.c
         res: list = [None] * len(ws)
         off = {True: 0, False: 0}
-        segs = None
-        if g.point.c.get("SEGMENTS"):
-            from .templates.gemv import segment_views
+        segs = reps = None
+        if c["SEGMENTS"]:
+            from .templates.gemv import out_blocks, segment_views
 
-            segs = iter(segment_views(out["y_bf16"], g.point.c["SEGMENTS"]))
+            segs = iter(segment_views(out["y_bf16"], out_blocks(c)))
+            reps = iter(c["REPLICAS"] or (1,) * len(c["SEGMENTS"]))
         for i in order:
+            copies = 1
             if segs is not None and not fp32[i]:  # the kernel wrote this entry as a compact [M, rows] block
-                y = next(segs)
+                y, copies = next(segs), next(reps)
+            elif fp32[i] and c["F32_REPLICAS"] > 1:  # the one fp32 entry, in every rank's slot
+                y, copies = out["y_f32"], c["F32_REPLICAS"]
             else:
                 src = out["y_f32"] if fp32[i] else out["y_bf16"]
                 y = src.narrow(1, off[fp32[i]], rows[i])
                 off[fp32[i]] += rows[i]
-            res[i] = _gather(y, a["group"], self.tp) if gather[i] and self.tp > 1 else y
+            if not (gather[i] and self.tp > 1):
+                res[i] = y
+            elif copies > 1 and emulating(self.tp):  # every rank's slot holds this rank's rows: the gathered
+                res[i] = y  # layout of the emulation (communication excluded), with no copy kernel
+            else:  # real ranks: this rank's slot to the all-gather
+                res[i] = _gather(y.narrow(1, 0, rows[i]) if copies > 1 else y, a["group"], self.tp)
         return res
 
     @staticmethod

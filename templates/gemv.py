@@ -31,6 +31,40 @@ def segment_views(out: torch.Tensor, widths: tuple) -> list[torch.Tensor]:
     return views
 
 
+def out_blocks(c: dict) -> tuple:
+    """Widths of the bf16 output's compact blocks as the kernel stores them (each entry's width times its
+    REPLICAS copies); () without SEGMENTS."""
+    reps = c["REPLICAS"] or (1,) * len(c["SEGMENTS"])
+    return tuple(w * r for w, r in zip(c["SEGMENTS"], reps))
+
+
+def gathered_in_kernel(c: dict) -> int:
+    """Entries a kernel at constants ``c`` writes in their all-gathered layout (every rank's slot)."""
+    return int(c["F32_REPLICAS"] > 1) + sum(1 for r in c["REPLICAS"] if r > 1)
+
+
+def kernel_layout(c: dict, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The outputs a kernel at constants ``c`` writes for the plain result y [M, N] (rows of W in order): the
+    fp32 rows copied F32_REPLICAS times side by side, each bf16 entry copied REPLICAS times into its compact
+    block (SEGMENTS)."""
+    nf, out = c["N_F32"], {}
+    if nf > 0:
+        out["y_f32"] = y[:, :nf].repeat(1, c["F32_REPLICAS"])
+    if nf < c["N"]:
+        out["y_bf16"] = bf16_layout(c, y[:, nf:])
+    return out
+
+
+def bf16_layout(c: dict, yb: torch.Tensor) -> torch.Tensor:
+    """The bf16 output as the kernel stores it, from the plain yb [M, N - N_F32]: with SEGMENTS each entry
+    copied REPLICAS times into its compact block."""
+    if not c["SEGMENTS"]:
+        return yb
+    if c["REPLICAS"]:
+        yb = torch.cat([e.repeat(1, r) for e, r in zip(yb.split(list(c["SEGMENTS"]), dim=1), c["REPLICAS"])], 1)
+    return segmented(yb, out_blocks(c))
+
+
 def segmented(y: torch.Tensor, widths: tuple) -> torch.Tensor:
     """y [M, sum(widths)] laid out as consecutive compact [M, w] blocks (the kernel's SEGMENTS layout), returned
     with y's shape; with no widths, y itself."""
@@ -96,7 +130,7 @@ class Gemv(Template):
 
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
                   beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None,
-                  segments: tuple = (), prefetch: int = 0) -> list:
+                  segments: tuple = (), replicas: tuple = (), f32_replicas: int = 1, prefetch: int = 0) -> list:
         need_bucket("gemv", bucket)
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
@@ -109,6 +143,14 @@ class Gemv(Template):
         need(not segments or (all(w > 0 for w in segments) and sum(segments) == n - n_f32),
              f"gemv: segments={segments} must be positive widths summing to the bf16 output's n - n_f32 = "
              f"{n - n_f32} (the consumers' column blocks, in order); pass () for one plain [M, n - n_f32] output")
+        replicas = tuple(int(r) for r in replicas)
+        need(not replicas or (len(replicas) == len(segments) and all(r >= 1 for r in replicas)),
+             f"gemv: replicas={replicas} must give a copy count >= 1 for each of the segments {segments} (an entry "
+             f"all-gathered over TP ranks: the TP size); pass () for one copy of each")
+        need(isinstance(f32_replicas, int) and f32_replicas >= 1 and (f32_replicas == 1 or n_f32 > 0),
+             f"gemv: f32_replicas={f32_replicas!r} must be an int >= 1, and 1 without fp32 rows (n_f32={n_f32})")
+        if replicas and all(r == 1 for r in replicas):
+            replicas = ()
         need(pro in PROLOGUES, f"gemv: prologue pro={pro!r} is not one of {PROLOGUES}; fold other producers "
                                f"into a separate kernel")
         need(eps > 0, f"gemv: eps={eps} must be > 0 (RMSNorm epsilon; K3 uses 1e-5)")
@@ -173,6 +215,10 @@ class Gemv(Template):
                                       "distributed shared memory)"),
                 const("SEGMENTS", segments, "bf16 output as consecutive compact [M, w] blocks of these widths "
                                             "(() : one [M, n - n_f32] row-major output)"),
+                const("REPLICAS", replicas, "with SEGMENTS: copies of each block side by side ([M, r * w], copy p at "
+                                            "columns p * w); () : one each"),
+                const("F32_REPLICAS", f32_replicas, "copies of the fp32 output side by side: y_f32 is "
+                                                    "[M, F32_REPLICAS * N_F32]"),
                 const("STAGE_X", stage_x, "the prologue forms xin once per CTA into shared memory (M x K bf16), "
                                           "the main loop reads it there"),
                 const("PREFETCH", prefetch, "bytes of each weight row the warp owning it bulk-prefetches into L2 "
@@ -220,6 +266,16 @@ class Gemv(Template):
                                    "segments": (128, 128, 192, 64)}
         ex["k3tp8_front_seg_b8"] = {"bucket": 8, "n": 6284, "k": k3.hidden_size, "n_f32": k3.num_experts,
                                     "segments": (1536, 1536, 1536, 780)}
+        # the MoE front GEMV of the TP8 shard (router, latent down, shared gate / up) with its all-gathered
+        # entries (router, latent) written into all 8 ranks' slots (codegen._lower_front_gemm): FMA path at batch
+        # 1, tensor cores at 8; k3-mini's at TP 2 and batch 2
+        def moe_front(cfg, t):
+            segs = (cfg.routed_expert_hidden_size // t,) + (cfg.shared_intermediate_size // t,) * 2
+            return {"n": cfg.num_experts // t + sum(segs), "k": cfg.hidden_size, "n_f32": cfg.num_experts // t,
+                    "segments": segs, "replicas": (t, 1, 1), "f32_replicas": t}
+        ex["k3tp8_front_gather_b1"] = {"bucket": 1, **moe_front(k3, tp)}
+        ex["k3tp8_front_gather_b8"] = {"bucket": 8, **moe_front(k3, tp)}
+        ex["mini_front_gather_b2"] = {"bucket": 2, **moe_front(mini, 2)}
         # the router + latent front GEMV of the TP8 shard at batch 64: two CTAs of a cluster split K (SPLIT = 2)
         ex["k3tp8_front_split_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,
                                        "segments": (448, 768, 768)}
@@ -249,9 +305,9 @@ class Gemv(Template):
         else:
             out += [Arg("gate", "bf16", (m, k), "act"), Arg("up", "bf16", (m, k), "act")]
         if nf > 0:
-            out.append(Arg("y_f32", "f32", (m, nf), "out"))
+            out.append(Arg("y_f32", "f32", (m, nf * c["F32_REPLICAS"]), "out"))
         if nf < n:
-            out.append(Arg("y_bf16", "bf16", (m, n - nf), "out"))
+            out.append(Arg("y_bf16", "bf16", (m, sum(out_blocks(c)) if c["SEGMENTS"] else n - nf), "out"))
         return out
 
     def random_inputs(self, c, gen):
@@ -293,21 +349,15 @@ class Gemv(Template):
             else:
                 x = d["x"]
             if nf:
-                d["y_f32"].copy_(F.linear(x.float(), d["w"][:nf].float()))
+                d["y_f32"].copy_(F.linear(x.float(), d["w"][:nf].float()).repeat(1, c["F32_REPLICAS"]))
             if c["N"] > nf:
-                d["y_bf16"].copy_(segmented(F.linear(x, d["w"][nf:]), c["SEGMENTS"]))
+                d["y_bf16"].copy_(bf16_layout(c, F.linear(x, d["w"][nf:])))
         return run
 
     def reference(self, c, inputs):
         xin = self.xin(c, inputs)
         assert xin.dtype == torch.bfloat16
-        y = xin.double() @ inputs["w"].double().T
-        nf, out = c["N_F32"], {}
-        if nf > 0:
-            out["y_f32"] = y[:, :nf]
-        if nf < c["N"]:
-            out["y_bf16"] = segmented(y[:, nf:], c["SEGMENTS"])
-        return out
+        return kernel_layout(c, xin.double() @ inputs["w"].double().T)
 
     def tolerance(self, c):
         # fp32 outputs: the bf16-rounded xin can differ in the last bit where the kernel's rsqrt / tanh

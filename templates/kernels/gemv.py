@@ -12,6 +12,11 @@ n >= N_F32 to y_bf16 [M, N - N_F32] rounded to bf16. An output with no rows is n
 With SEGMENTS (a front GEMV over concatenated weights at M > 1), y_bf16 holds consecutive compact [M, w]
 blocks, one per entry, instead of one row-major [M, N - N_F32] array: a column slice of the latter is strided
 once M > 1, and every consumer would need a copy (store_bf16 picks the block by a chain of selects).
+With REPLICAS (TP > 1: an entry that is all-gathered after the kernel) a block holds r copies side by side,
+[M, r * w] with copy p at columns p * w, and F32_REPLICAS does the same for the fp32 output: the kernel writes
+its rows into every rank's slot of the gathered layout. In single-GPU TP emulation that is the all-gather
+(every rank's shard taken to equal this rank's) with no copy kernel after this one; real ranks hand one slot
+to the collective.
 
 Work split. A *task* is (a group of ROWS consecutive rows of W, a chunk of MB batch rows). One warp owns
 one task at a time; the WARPS warps of a CTA take consecutive tasks and the GRID CTAs stride over all
@@ -74,6 +79,8 @@ RT = 1  # tensor-core path: 16-row tiles of W per CTA
 STAGES = 1  # tensor-core path: K stages (32 x WARPS elements each) in flight
 SPLIT = 1  # tensor-core path: CTAs of a cluster splitting K (partial sums meet in distributed shared memory)
 SEGMENTS = ()  # bf16 output as consecutive compact [M, w] blocks of these widths (() : one [M, n - n_f32] output)
+REPLICAS = ()  # with SEGMENTS: copies of each block side by side ([M, r * w], copy p at columns p * w); () : one each
+F32_REPLICAS = 1  # copies of the fp32 output side by side: y_f32 is [M, F32_REPLICAS * N_F32]
 STAGE_X = True  # the prologue forms xin once per CTA into shared memory (M x K bf16), the main loop reads it there
 PREFETCH = 0  # bytes of each weight row the warp owning it bulk-prefetches into L2 before the PDL wait (0: each warp the first vectors of its first task's rows)
 # <<< constants
@@ -95,6 +102,10 @@ KB = 32 * WARPS  # tensor-core path: K elements per ring stage (a 32-element sli
 KST = (K + KB - 1) // KB  # tensor-core path: ring stages over K (the last may be partial: K % 128 == 0)
 CPR = KB // VEC  # tensor-core path: 16-byte chunks of one row in a stage
 KSP = KST // SPLIT  # tensor-core path: K stages of one CTA (its cluster rank's share of K)
+REPS = REPLICAS if REPLICAS else (1,) * len(SEGMENTS)  # copies of each bf16 block
+BLOCKS = tuple(w * r for w, r in zip(SEGMENTS, REPS))  # widths of the bf16 blocks as stored
+NB_OUT = sum(BLOCKS) if SEGMENTS else N - N_F32  # columns of y_bf16
+RMAX = max(REPS, default=1)
 
 
 @dsl_user_op
@@ -161,13 +172,31 @@ class Kernel:
         if cutlass.const_expr(len(SEGMENTS) == 0):
             mYb[m, nb] = total.to(BFloat16)
         else:
-            flat = cute.make_tensor(mYb.iterator, cute.make_layout(M * (N - N_F32)))
-            idx = m * SEGMENTS[0] + nb
+            flat = cute.make_tensor(mYb.iterator, cute.make_layout(M * NB_OUT))
+            idx = m * BLOCKS[0] + nb
+            width = Int32(SEGMENTS[0])  # a copy's stride in the block (with REPLICAS)
+            reps = Int32(REPS[0])
             off = 0
+            boff = 0
             for i in cutlass.range_constexpr(1, len(SEGMENTS)):  # unrolled at trace time
                 off += SEGMENTS[i - 1]
-                idx = cutlass.select_(nb >= off, M * off + m * SEGMENTS[i] + (nb - off), idx)
-            flat[idx] = total.to(BFloat16)
+                boff += BLOCKS[i - 1]
+                idx = cutlass.select_(nb >= off, M * boff + m * BLOCKS[i] + (nb - off), idx)
+                if cutlass.const_expr(RMAX > 1):
+                    width = cutlass.select_(nb >= off, Int32(SEGMENTS[i]), width)
+                    reps = cutlass.select_(nb >= off, Int32(REPS[i]), reps)
+            v = total.to(BFloat16)
+            flat[idx] = v
+            for p in cutlass.range_constexpr(1, RMAX):
+                if p < reps:
+                    flat[idx + p * width] = v
+
+    @cute.jit
+    def store_f32(self, mYf: cute.Tensor, m, n, total):
+        """y_f32 for batch row m, fp32 output column n: at [m, n], and with F32_REPLICAS at [m, p * N_F32 + n]
+        for every copy p."""
+        for p in cutlass.range_constexpr(F32_REPLICAS):
+            mYf[m, p * N_F32 + n] = total
 
     @cute.jit
     def xin_math(self, rX, rAux, rNw, rstd, rXin):
@@ -482,11 +511,11 @@ class Kernel:
     def store_out(self, mYf, mYb, m, n, total):
         """Output n of batch row m: fp32 for n < N_F32, else bf16 (store_bf16)."""
         if cutlass.const_expr(not HAS_BF16):
-            mYf[m, n] = total
+            self.store_f32(mYf, m, n, total)
         elif cutlass.const_expr(not HAS_F32):
             self.store_bf16(mYb, m, n, total)
         else:
             if n < N_F32:
-                mYf[m, n] = total
+                self.store_f32(mYf, m, n, total)
             else:
                 self.store_bf16(mYb, m, n - N_F32, total)

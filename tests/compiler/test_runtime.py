@@ -532,3 +532,35 @@ def test_side_streams_off_the_gpu_is_a_clear_error(mini_model):
     step = _compile(mini_model, (1,))
     step(torch.tensor([7]), mini_model.new_state(1, 16))
     assert step.dispatchers[-1].side_streams == {}
+
+
+def test_tp_emulation_takes_the_front_gemv_gathered_outputs_without_a_copy(monkeypatch):
+    """One-GPU TP emulation (a fake process group of 2): the MoE front GEMV writes its router logits and latent
+    rows into both ranks' slots (F32_REPLICAS, REPLICAS), and the binding hands that layout to the routed
+    experts as the all-gather: per node the kernels equal the eager ops (whose all-gather repeats rank 0's shard),
+    at batch 1 (one row) and 4 (compact blocks), with no all-gather copy and no input copy."""
+    from k3compile.capture import tp_world
+    from k3compile.models import k3_mini
+    from k3compile.models.random_init import random_model
+
+    gathers = []
+    real_gather = runtime._gather
+    monkeypatch.setattr(runtime, "_gather", lambda x, group, tp: gathers.append(x.shape) or real_gather(x, group, tp))
+    with tp_world(2), one_thread():
+        model = random_model(k3_mini(), tp_rank=0, tp_size=2, device="cpu", seed=3)
+        runtime.reset_launch_counts()
+        step = _compile(model, (1, 4), shadow=True)
+        state = model.new_state(4, 16)
+        for batch in (1, 4):
+            assert torch.isfinite(step(torch.arange(batch) % (model.config.vocab_size // 2), state)).all()
+        d = step.dispatchers[-1]
+        fronts = [k.point.c for b in (1, 4) for k in d.bound[b].kernels.values()
+                  if k.point.template.name == "gemv" and k.point.c["F32_REPLICAS"] > 1]
+        assert len(fronts) == 2, fronts  # the MoE front GEMV of each bucket (one kernel for every MoE layer)
+        assert all(c["F32_REPLICAS"] == 2 and c["REPLICAS"][0] == 2 for c in fronts)
+        errors = runtime.shadow_errors()
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= SHADOW_TOL, f"{worst}: kernels differ from the eager op by {errors[worst]:.3g}"
+        assert d.coverage()["problems"] == [] and runtime.eager_fallbacks() == {}
+    assert gathers == [], f"front GEMV outputs went through the all-gather copy: {gathers}"
+    assert runtime.input_copies() == {}, runtime.input_copies()
