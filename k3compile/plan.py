@@ -19,8 +19,10 @@ may launch several kernels: ``Point.kernels``, which the PTX audit checks agains
 the collectives the runtime issues through torch.distributed beside them at TP > 1 (the all-gathers of
 row-sharded GEMM outputs, the latent all-reduce before an FFN tail's up-projection, model-level collectives).
 So a layer's line reads, e.g. at K3 TP8 batch 1, ``mla+moe: 9 launches = 13 GPU kernels + 2 all-gathers + 1
-all-reduce``; the H200 profiler counted 15 kernels for that layer (one-GPU emulation: each all-gather a copy, the
-all-reduce none; BENCHMARKS.md, sixteenth entry).
+all-reduce``. In one-GPU TP emulation the all-reduce runs no kernel and an all-gather one copy kernel, unless the
+kernel before wrote the gathered layout itself (the MoE front GEMV's router and latent rows: ``emulated_copies``
+counts the others); the H200 profiler counted 15 kernels for that layer when both all-gathers were copies
+(BENCHMARKS.md, sixteenth entry).
 """
 
 from __future__ import annotations
