@@ -72,10 +72,9 @@ _PROLOGUE_NOTE = "the GEMV prologue (RMSNorm / SiTU-GLU) runs once in its own ke
 
 
 def _gemv(bucket, n, k, *, n_f32=0, pro="none", eps=1e-6, beta=4.0, linear_beta=25.0, **layout):
-    """A gemv spec; ``layout`` (segments, replicas, f32_replicas) only where given (the default layout's
-    parameters stay out of the spec, so its kernel names do not change)."""
+    """A gemv spec; ``layout``: the output-layout parameters (segments, replicas, f32_replicas) a caller sets."""
     params = dict(bucket=bucket, n=n, k=k, n_f32=n_f32, pro=pro, eps=eps, beta=beta, linear_beta=linear_beta)
-    return ("gemv", {**params, **{key: v for key, v in layout.items() if v}})
+    return ("gemv", {**params, **layout})
 
 
 def _rows(node, tp: int, gather: bool) -> int:
@@ -100,8 +99,14 @@ def _lower_front_gemm(node, b, tp):
     f32_gather = [g for f, g in zip(fp32, gather) if f]
     f32_reps = tp if tp > 1 and f32_gather == [True] else 1  # one gathered fp32 entry (the router logits)
     gathered = any(r > 1 for r in reps)
-    return [_gemv(b, n, k, n_f32=n_f32, segments=segs if (b > 1 and len(segs) > 1) or gathered else (),
-                  replicas=reps if gathered else (), f32_replicas=f32_reps if f32_reps > 1 else 0)], note.rstrip("; ")
+    layout = {}
+    if (b > 1 and len(segs) > 1) or gathered:
+        layout["segments"] = segs
+    if gathered:
+        layout["replicas"] = reps
+    if f32_reps > 1:
+        layout["f32_replicas"] = f32_reps
+    return [_gemv(b, n, k, n_f32=n_f32, **layout)], note.rstrip("; ")
 
 
 def _lower_linear(node, b, tp):

@@ -14,7 +14,7 @@ from k3compile import build
 from k3compile.audit import audit_point
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, bf16_layout, mma_split
+from templates.gemv import MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, kernel_layout, mma_split
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -237,10 +237,8 @@ def test_work_split_covers_every_output_once(label):
     c = _point(label).c
     inputs = T.random_inputs(c, torch.Generator().manual_seed(0))
     out, writes = (_simulate_mma if c["MMA"] else _simulate)(c, inputs)
-    if "y_bf16" in out:  # the kernel's output layout (compact blocks per entry with SEGMENTS, REPLICAS copies)
-        out["y_bf16"] = bf16_layout(c, out["y_bf16"])
-    if "y_f32" in out:
-        out["y_f32"] = out["y_f32"].repeat(1, c["F32_REPLICAS"])
+    # the kernel's output layout (compact blocks per entry with SEGMENTS, REPLICAS / F32_REPLICAS copies)
+    out = kernel_layout(c, torch.cat([out[n].double() for n in ("y_f32", "y_bf16") if n in out], dim=1))
     env = module_constants(_point(label).render())
     if c["MMA"]:  # the kernel file's split is the simulated one
         assert env["KB"] == 32 * c["WARPS"] and env["R"] == 16 * c["RT"] and env["NT"] * 8 == c["M"]
@@ -275,8 +273,8 @@ def test_inputs_are_realistic_and_reference_matches_the_dialect(label):
         eager = dialect.rms_norm_linear_impl(inputs["x"], inputs["norm_weight"], c["EPS"], w).float()
     else:
         eager = dialect.situ_linear_impl(inputs["gate"], inputs["up"], w, c["BETA"], c["LINEAR_BETA"]).float()
-    nf = c["N_F32"]
-    eager = torch.cat([eager[:, :nf].repeat(1, c["F32_REPLICAS"]), bf16_layout(c, eager[:, nf:])], 1)  # the kernel's
+    lay = kernel_layout(c, eager)  # the kernel's layout
+    eager = torch.cat([lay[n] for n in ("y_f32", "y_bf16") if n in lay], dim=1)
     full = torch.cat([ref[n] for n in ("y_f32", "y_bf16") if n in ref], dim=1)
     err = (eager.double() - full).norm() / full.norm()
     assert err <= 1e-2, (label, float(err))
