@@ -116,6 +116,34 @@ def scale_bf16x2(s):
         (np.maximum(s, np.uint64(128)) - np.uint64(1)) << np.uint64(7)
 
 
+def prmt(a, b, sel):
+    """PTX ``prmt.b32`` (default mode): result byte i is byte (sel >> 4i) & 7 of b:a (a bytes 0-3, b 4-7);
+    sel's bit 4i + 3 (sign replication) is not used by the kernels and must be clear."""
+    a, b, sel = (np.asarray(v, dtype=np.uint64) for v in (a, b, sel))
+    assert not (sel & np.uint64(0x8888)).any(), "prmt: sign-replicating selectors are not mirrored"
+    both = (b << np.uint64(32)) | a
+    out = np.zeros(np.broadcast(a, b, sel).shape, dtype=np.uint64)
+    for i in range(4):
+        src = (sel >> np.uint64(4 * i)) & np.uint64(7)
+        out |= ((both >> (np.uint64(8) * src)) & np.uint64(0xFF)) << np.uint64(8 * i)
+    return out
+
+
+def scale_pair(word, t):
+    """The kernels' scale_pair of byte t of a scale word: prmt(word, 0, SCALE_SEL_BASE | t * SCALE_SEL_STEP)."""
+    return prmt(word, 0, np.uint64(K["SCALE_SEL_BASE"]) | np.uint64(t) * np.uint64(K["SCALE_SEL_STEP"]))
+
+
+def scale_fast(x):
+    """The kernels' scale_fast: x * 128 + SCALE_FAST_BIAS (32 bits)."""
+    return (np.asarray(x, dtype=np.uint64) * np.uint64(128) + np.uint64(K["SCALE_FAST_BIAS"])) & U32
+
+
+def scale_big_bits(x):
+    """The kernels' scale_big_bits: x + 127 (32 bits); bit 8 flags a byte above 128."""
+    return (np.asarray(x, dtype=np.uint64) + np.uint64(127)) & U32
+
+
 def _bf16_bits_to_f64(b):
     return torch.from_numpy((np.asarray(b, dtype=np.uint64) & np.uint64(0xFFFF)).astype(np.int16)).view(
         torch.bfloat16).double()

@@ -87,7 +87,8 @@ def mma_smem(m: int, warps: int, rt: int, stages: int) -> int:
     return max(stages * warps * (16 * rt + m) * 64, warps * m * 16 * rt * 4)
 
 
-def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+def mma_split(m: int, n: int, k: int, split: int | None = None,
+              row_tiles: int | None = None) -> tuple[int, int, int, int, int]:
     """(warps, row tiles per CTA, ring stages, grid, split) of the tensor-core path at batch m, W [n, k].
 
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
@@ -99,16 +100,28 @@ def mma_split(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     reduction reuses the ring's bytes); RT shrinks until two stages fit SMEM_BUDGET (the lm_head's 20480 rows).
 
     Every CTA reads all m activation rows of its K range from L2: m / (16 RT) times its weight bytes. Where that
-    exceeds 1 and twice the rows per CTA still fit the registers and a grid of pairs one wave (the K3 router +
-    latent front GEMV's 2096 rows at batch 32 and 64: 4 times the weights at 16 rows per CTA), SPLIT = 2 CTAs of
-    a cluster take half of K each for 2 RT row tiles, and their partial sums meet through distributed shared
-    memory: half the activation traffic for the same grid."""
+    exceeds 1 (or is 1/2 or more with one row tile), twice the rows per CTA still fit the registers, a grid of
+    pairs is one wave and K has at least 16 stages of 256 (the K3 router + latent front GEMV's 2096 rows from
+    batch 8: 1/2 to 4 times the weights at 16 rows per CTA), SPLIT = 2 CTAs of a cluster take half of K each for 2 RT row tiles, and their partial sums
+    meet through distributed shared memory: half the activation traffic for the same grid. Measured alone on
+    the H200 (BENCHMARKS.md, twenty-fifth entry): 2096 x 7168 at batch 8 10.2 -> 9.6 us with the pair (13.5 over
+    4 CTAs); the q/kv up-projection 2304 x 1536 at batch 64 11.1 us with a pair and 3 stages each, 8.7 without.
+
+    ``split`` given: that many CTAs per cluster, each with ``split`` times the row tiles (the same number of CTAs
+    as without a split, each reading 1 / split of the activations of its K range); ``row_tiles`` given: that RT
+    (capped by the registers), whatever the split."""
     nt = m // 8
     rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
-    split = 1
     kst8 = math.ceil(k / 256)  # K stages of 8 warps
-    if m > 16 * rt and 2 * rt * nt <= 32 and 2 * math.ceil(n / (32 * rt)) <= SMS and kst8 % 2 == 0:
-        rt, split = 2 * rt, 2
+    if split is None:
+        split = 1
+        if ((m > 16 * rt or (m >= 8 and rt == 1)) and 2 * rt * nt <= 32 and 2 * math.ceil(n / (32 * rt)) <= SMS
+                and kst8 % 2 == 0 and kst8 >= 16):
+            rt, split = 2 * rt, 2
+    else:
+        rt = min(split * rt, 32 // nt)
+    if row_tiles is not None:
+        rt = max(1, min(row_tiles, 32 // nt))
     grid = math.ceil(n / (16 * rt))
     warps = 8 if m <= 16 or grid * split <= SMS else 4
     while rt > 1 and mma_smem(m, warps, rt, 2) > SMEM_BUDGET:  # two stages must fit (large N: more waves instead)
@@ -130,7 +143,8 @@ class Gemv(Template):
 
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
                   beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None,
-                  segments: tuple = (), replicas: tuple = (), f32_replicas: int = 1, prefetch: int = 0) -> list:
+                  segments: tuple = (), replicas: tuple = (), f32_replicas: int = 1, prefetch: int = 0,
+                  split: int | None = None, row_tiles: int | None = None) -> list:
         need_bucket("gemv", bucket)
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
@@ -184,9 +198,18 @@ class Gemv(Template):
         need(mma is not True or auto, f"gemv: mma=True needs bucket >= {MMA_MIN_BUCKET}, pro='none' and k % 128 == 0 "
                                       f"(got bucket {m}, pro={pro!r}, k={k})")
         use_mma = auto if mma is None else bool(mma)
-        rt, stages, split = 1, 1, 1
+        need(split is None or (use_mma and split in (1, 2, 4, 8)),
+             f"gemv: split={split!r} (CTAs of a cluster splitting K) must be 1, 2, 4 or 8, on the tensor-core path "
+             f"only (bucket >= {MMA_MIN_BUCKET}, no prologue); leave it unset for the default")
+        rt, stages = 1, 1
         if use_mma:
-            warps, rt, stages, grid, split = mma_split(m, n, k)
+            need(row_tiles is None or (isinstance(row_tiles, int) and row_tiles >= 1),
+                 f"gemv: row_tiles={row_tiles!r} (16-row MMA tiles per CTA) must be an int >= 1 or unset")
+            warps, rt, stages, grid, split = mma_split(m, n, k, split, row_tiles)
+            kst = math.ceil(k / (32 * warps))
+            need(kst % split == 0, f"gemv: split={split} must divide the {kst} K stages of {32 * warps} elements "
+                                   f"(K={k}); pick a divisor or leave it unset")
+        split = split or 1
         need(isinstance(prefetch, int) and prefetch >= 0 and prefetch % 16 == 0,
              f"gemv: prefetch={prefetch!r} (bytes of each weight row pulled into L2 before the PDL wait) must be a "
              f"non-negative multiple of 16 (cp.async.bulk.prefetch sizes); pass 0 for the default")
@@ -291,6 +314,11 @@ class Gemv(Template):
         ex["k3tp8_front_split_pf_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size,
                                           "n_f32": k3.num_experts // tp, "segments": (448, 768, 768),
                                           "prefetch": 11776}
+        # the MLA q/kv up-projection at batch 64: K (1536) too short to split over a pair (mma_split); and the
+        # router + latent front GEMV's K over a cluster of 4 (the split knob)
+        ex["k3tp8_qkvup_b64"] = {"bucket": 64, "n": 2304, "k": k3.q_lora_rank}
+        ex["k3tp8_front_split4_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,
+                                        "segments": (448, 768, 768), "split": 4}
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex

@@ -43,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
 from k3compile.templates.kernels.moe_lib import block_mma, load_groups
+from k3compile.templates.kernels.mxfp4_lib import scale_pair, scale_pair_selector
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -115,20 +116,20 @@ class Kernel:
     @cute.jit
     def read_step(self, mS2: cute.Tensor, e, row0, g, t, s: cutlass.Constexpr, sW: cute.Tensor, sS: cute.Tensor,
                   lane, rW: cute.Tensor, rS: cute.Tensor):
-        """This lane's weights and scale bytes of k-step s of expert e from its landed ring stage (zero operands
-        past I; without SCALE_RING the scale bytes come from global memory)."""
+        """This lane's weights and scale pairs (mxfp4_lib.scale_pair) of k-step s of expert e from its landed ring
+        stage (zero operands past I; without SCALE_RING the scale bytes come from global memory)."""
         blk = 4 * s + t
         for r in cutlass.range_constexpr(2):
             if blk < NB:
                 cute.autovec_copy(sW[2 * s + r, lane, None], cute.local_tile(rW, (4,), (r,)))
                 if cutlass.const_expr(SCALE_RING):
-                    rS[r] = (sS[g, 2 * s + r] >> Uint32(8 * t)) & Uint32(0xFF)
+                    rS[r] = scale_pair(sS[g, 2 * s + r], scale_pair_selector(t))
                 else:
-                    rS[r] = Uint32(mS2[e, row0 + g + 8 * r, blk])
+                    rS[r] = Uint32(mS2[e, row0 + g + 8 * r, blk]) * Uint32(0x10001)
             else:  # past I in a partial last step: zero operands
                 for i in cutlass.range_constexpr(4):
                     rW[4 * r + i] = Uint32(0)
-                rS[r] = Uint32(127)
+                rS[r] = Uint32(0x007F007F)  # scale byte 127 (2**0) in both halves
 
     @cute.jit
     def scales_big(self, sS: cute.Tensor, g):

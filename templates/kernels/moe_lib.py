@@ -11,7 +11,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
 
-from k3compile.templates.kernels.mxfp4_lib import bf16x2_mul, decode_e2m1x8_packed, mma_bf16_16816, scale_bf16x2
+from k3compile.templates.kernels.mxfp4_lib import (bf16x2_mul, decode_e2m1x8_packed, mma_bf16_16816, scale_bf16x2,
+                                                   scale_fast)
 
 
 def sigmoid(x):
@@ -233,33 +234,32 @@ def store_groups(mGroups: cute.Tensor, sAct: cute.Tensor, sStart: cute.Tensor, s
             mGroups[e] = sPairs[e - 1 - 3 * MAXA]
 
 
-def scale_big(*scales):
-    """Whether one of these E8M0 bytes exceeds 128: its block needs block_mma's second factor."""
-    big = scales[0] > Uint32(128)
-    for s in scales[1:]:
-        big = big | (s > Uint32(128))
-    return Int32(cutlass.select_(big, Int32(1), Int32(0)))
-
-
 @cute.jit
-def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, sg, sh, rX: cute.Tensor, acc: cute.Tensor,
+def block_mma(rW: cute.Tensor, w0: cutlass.Constexpr, xg, xh, rX: cute.Tensor, acc: cute.Tensor,
               a0: cutlass.Constexpr, second: cutlass.Constexpr):
     """One MX block of 16 weight rows times 8 activation columns, accumulated into acc[a0 : a0 + 4] (the
     m16n8 C fragment): rW[w0 : w0 + 4] and rW[w0 + 4 : w0 + 8] are this lane's block of rows g and g + 8
-    (32 codes each, in the prepacked layout: mxfp4_mirror.prepack), sg / sh their E8M0 scale bytes, rX[16]
-    the same 32 activations (bf16 pairs) of this lane's column. Codes 2j and 2j + 1 of a word form one bf16
-    pair (decode_e2m1x8_packed), as the activations lie; the MMA's K is the quad's four blocks interleaved
-    (a permutation of K, which a dot product allows); the scale is applied to the weights before the MMA
-    (the four lanes of a quad hold different blocks).
+    (32 codes each, in the prepacked layout: mxfp4_mirror.prepack), xg / xh their E8M0 scale bytes as scale
+    pairs (mxfp4_lib.scale_pair: the byte in both halves), rX[16] the same 32 activations (bf16 pairs) of this
+    lane's column. Codes 2j and 2j + 1 of a word form one bf16 pair (decode_e2m1x8_packed), as the activations
+    lie; the MMA's K is the quad's four blocks interleaved (a permutation of K, which a dot product allows); the
+    scale is applied to the weights before the MMA (the four lanes of a quad hold different blocks).
 
     ``second`` (compile time) is the second factor 2**max(s - 128, 0): None applies it where the lane's byte
     exceeds 128 (predicated: the 8 products per word issue on every call, switched off or not); True applies
-    it always; False never, exact only for scale bytes <= 128 (the usual case: a block's absmax below 12).
-    moe_gate_up runs False and, when scale_big saw a larger byte in any lane of the warp, runs the task again
-    with True, in a loop: a branch between the two forms inside one k-step is if-converted by the compiler,
-    both forms issuing on every step (the False form's k-step: 407 instructions, None's 536)."""
-    fg = scale_bf16x2(sg)
-    fh = scale_bf16x2(sh)
+    it always; False never, exact only for scale bytes <= 128 (the usual case: a block's absmax below 12), whose
+    first factor is then one multiply-add from the scale pair (mxfp4_lib.scale_fast).
+    moe_gate_up runs False and, when scale_big_bits saw a larger byte in any lane of the warp, runs the task
+    again with True, in a loop: a branch between the two forms inside one k-step is if-converted by the compiler,
+    both forms issuing on every step (the False form's k-step: 407 instructions, None's 536, before scale_fast)."""
+    if cutlass.const_expr(second is False):
+        fg = (scale_fast(xg),)
+        fh = (scale_fast(xh),)
+    else:
+        sg = xg & Uint32(0xFF)
+        sh = xh & Uint32(0xFF)
+        fg = scale_bf16x2(sg)
+        fh = scale_bf16x2(sh)
     for wi in cutlass.range_constexpr(4):  # word wi of the block: codes 8wi .. 8wi+7
         xb = [rX[4 * wi + j] for j in range(4)]  # activations 8wi + 2j, 8wi + 2j + 1: the pairs as they lie
         dec = cute.make_rmem_tensor((8,), Uint32)  # [row g | row g + 8][pair j]

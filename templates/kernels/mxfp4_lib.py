@@ -60,6 +60,42 @@ def scale_bf16x2(s):
     return e1 | (e1 << Uint32(16)), e2 | (e2 << Uint32(16))
 
 
+SCALE_FAST_BIAS = (126 << 7) | (126 << 23)  # scale_fast: (s + 126) << 7 in both halves, as x * 128 + this
+SCALE_SEL_BASE = 0x4040  # scale_pair_selector: result bytes 1 and 3 from byte 4 (the zero operand) ...
+SCALE_SEL_STEP = 0x101  # ... and bytes 0 and 2 from byte t of the scale word
+
+
+@dsl_user_op
+def prmt(a, b, sel, *, loc=None, ip=None):
+    """``prmt.b32``: byte i of the result is byte (sel >> 4i) & 7 of the pair (a: bytes 0-3, b: 4-7)."""
+    res = llvm.inline_asm(T.i32(), [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, sel)],
+                          "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, loc=loc, ip=ip)
+    return Uint32(Int32(res))
+
+
+def scale_pair_selector(t):
+    """The prmt selector taking byte t (0..3) of a scale word into both halves of a scale pair (scale_pair)."""
+    return Uint32(SCALE_SEL_BASE) | (Uint32(t) * Uint32(SCALE_SEL_STEP))
+
+
+def scale_pair(word, sel):
+    """A scale pair x = s | s << 16 from byte t of a word of 4 E8M0 bytes (one prmt; sel: scale_pair_selector);
+    block_mma takes its scales in this form."""
+    return prmt(word, Uint32(0), sel)
+
+
+def scale_fast(x):
+    """The scale pair x as the bf16x2 factor 2**(s-1) (each half), exact for s <= 128: scale_bf16x2's first
+    factor without its clamp, one multiply-add. s > 128 is flagged by scale_big_bits."""
+    return x * Uint32(128) + Uint32(SCALE_FAST_BIAS)
+
+
+def scale_big_bits(x):
+    """Bit 8 set iff the scale pair's byte s exceeds 128 (s + 127 >= 256; the high half cannot carry into it):
+    OR these over a task and test bit 8 once."""
+    return x + Uint32(127)
+
+
 def bf16x2_mul(a, f):
     """a * f per bf16 half, round to nearest even (subnormals kept): fma.rn.bf16x2 with a zero addend."""
     return Uint32(cute.arch.fma_packed_bf16x2(Int32(a), Int32(f), Int32(0)))

@@ -7,7 +7,9 @@
 #                                                  --context 1024 --systems k3compile
 #
 # When ab_prepare.sh built examples packages (EXAMPLES=...), each round first times their kernels alone
-# (`bench-kernels --seed 1`: the same inputs for both commits).
+# (`bench-kernels --seed 1`: the same inputs for both commits); ONLY (bench-kernels --only, e.g.
+# "moe_gate_up,moe_down_combine") limits that to some of them: timing every gemv example with its torch
+# baseline takes over 200 s per package.
 # Prints each run's per-layer lines; everything (JSON, logs) goes into one file, $OUT/ab.tgz (a device call
 # returns few files). ROUNDS (default 2) and BENCH_TIMEOUT (seconds per bench, default 200) from the
 # environment.
@@ -39,7 +41,7 @@ side() {  # new|old, then a k3compile command line: this tree's code, or (from o
 kernels() {  # which round: the examples alone, on the same inputs for both
     [ -d /tmp/ab_pk/new/examples ] || return 0
     side "$1" bench-kernels --package "/tmp/ab_pk/$1/examples" --seeds 1 --seed 1 --json "$R/kernels_$1_$2.json" \
-        > "$R/kernels_$1_$2.log" 2>&1
+        ${ONLY:+--only "$ONLY"} > "$R/kernels_$1_$2.log" 2>&1
     echo "-- kernels alone, $1, round $2 (rc $?)"
     grep -E "^(example|[a-z_]+:k3tp8)" "$R/kernels_$1_$2.log" || tail -n 5 "$R/kernels_$1_$2.log"
 }

@@ -53,10 +53,26 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
             # 8 warps (two per scheduler) unless the grid takes more than one wave: then 4, two CTAs per SM
             assert warps == (8 if m <= 16 or grid * split <= SMS else 4), (m, n, k, warps, grid)
             assert grid * split <= SMS or 2 * smem <= SMEM_BUDGET or stages == 2, (m, n, k, smem)
-            # a K split only where the activations (m rows for 16 rt weight rows) outweigh the weights per CTA
-            assert split == 1 or (split == 2 and m > 8 * rt and -(-k // 256) % 2 == 0), (m, n, k, rt, split)
+            # a K split only where the activations (m rows for 16 rt / 2 weight rows before the split) outweigh
+            # the weights per CTA, or are half of them with one row tile, and K has 16 stages or more
+            kst8 = -(-k // 256)
+            assert split == 1 or (split == 2 and (m > 8 * rt or (m >= 8 and rt == 2)) and kst8 % 2 == 0
+                                  and kst8 >= 16), (m, n, k, rt, split)
             assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
-    assert mma_split(64, 2096, 7168)[3:] == (66, 2) and mma_split(8, 2096, 7168)[4] == 1
+    assert mma_split(64, 2096, 7168)[3:] == (66, 2) and mma_split(8, 2096, 7168)[3:] == (66, 2)
+    assert mma_split(64, 2304, 1536)[3:] == (72, 1)  # 3 K stages per CTA of a pair: measured slower
+    assert mma_split(8, 2096, 7168, split=4)[1:] == (4, 6, 33, 4)  # the knob: 4 x the row tiles, a quarter of K
+    assert mma_split(64, 2304, 1536, split=1, row_tiles=1)[1] == 1
+
+
+def test_split_knobs_are_checked():
+    base = {"bucket": 64, "n": 2304, "k": 1536}
+    with pytest.raises(TemplateError, match="must divide the 6 K stages"):
+        T.point(**{**base, "bucket": 8}, split=4)
+    with pytest.raises(TemplateError, match="tensor-core path"):
+        T.point(bucket=1, n=2304, k=1536, split=2)
+    with pytest.raises(TemplateError, match="row_tiles"):
+        T.point(**base, row_tiles=0)
 
 
 def test_prologue_input_is_staged_in_shared_memory_when_it_fits():

@@ -21,7 +21,7 @@ from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, RING_MAX_STAGES,
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
 from template_checks import module_constants
 from k3compile.mxfp4_mirror import (decode_e2m1x8_packed, every_byte_every_scale, packed_source_bits, prepack,
-                                    scale_bf16x2)
+                                    scale_bf16x2, scale_big_bits, scale_fast, scale_pair)
 
 GU, DC, RT = get("moe_gate_up"), get("moe_down_combine"), get("moe_route")
 
@@ -43,6 +43,23 @@ def test_decode_every_byte_every_scale_matches_dequantize():
     # prepack, shift/rotate + mask to e2m1 * 2**-126 (bf16 subnormals), then x 2**(s-1) as one or two bf16 products
     res = every_byte_every_scale()
     assert res["values"] == 256 * 256 * 32 and res["ok"], res
+
+
+def test_scale_pairs_give_the_first_factor_and_flag_big_bytes():
+    # every scale byte at every byte position of a word whose other bytes are random: the prmt pair is the byte in
+    # both halves, its multiply-add the first factor exactly where the fast path is used (s <= 128), and bit 8 of
+    # x + 127 flags exactly the bytes that need the second factor
+    rng = np.random.default_rng(1)
+    s = np.arange(256, dtype=np.uint64)
+    for t in range(4):
+        other = rng.integers(0, 1 << 32, 256, dtype=np.uint64) & ~(np.uint64(0xFF) << np.uint64(8 * t))
+        x = scale_pair(other | (s << np.uint64(8 * t)), t)
+        assert (x == (s | (s << np.uint64(16)))).all(), t
+        f1 = scale_bf16x2(s)[0]
+        fast = scale_fast(x)
+        ok = s <= 128
+        assert (fast[ok] == (f1[ok] | (f1[ok] << np.uint64(16)))).all(), t
+        assert ((scale_big_bits(x) >> np.uint64(8)) & np.uint64(1) == (s > 128)).all(), t
 
 
 def test_prepack_is_a_bit_permutation_inside_each_word():
