@@ -191,19 +191,25 @@ def _lower_oproj_residual_norm(node, b, tp):
     return [_gemv(b, n, k), res], note
 
 
-def _ffn_up(node, b):
+def _ffn_up(node, b, tp):
     """The up-projection GEMV (RMSNorm prologue) when the FFN output is ``up(rms_norm(all_reduce(latent_partial)))
     + all_reduce(partial)``, else none: the residual kernel after it adds its output ``r`` (add_r) to the partial
     it all-reduces itself."""
     if _arg(node, "latent_partial") is None:
         return []
     n, k = _shape(_arg(node, "up_weight"))
-    return [_gemv(b, n, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")))]
+    up_rank = _arg(node, "up_rank")
+    if up_rank is None or up_rank < 0 or tp == 1:
+        return [_gemv(b, n, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")))]
+    # row-sharded (shard_routing): this rank's n / tp rows, written into every rank's slot of the gathered
+    # [B, n] (the single-GPU emulation's all-gather, no copy kernel; real ranks all-gather slot 0)
+    return [_gemv(b, n // tp, k, pro="rms_norm", eps=float(_arg(node, "latent_eps")), segments=(n // tp,),
+                  replicas=(tp,))]
 
 
 def _lower_ffn_tail_norm(node, b, tp):
     blocks = _arg(node, "blocks")
-    up = _ffn_up(node, b)
+    up = _ffn_up(node, b, tp)
     res = _residual(b, _shape(blocks)[-1], _nb(blocks), add=True, has_prefix=True, out_norm=True,
                     eps=float(_arg(node, "eps")), out_eps=float(_arg(node, "out_eps")), tp=tp, add_r=bool(up))
     note = _FUSED_AR + "; the latent all-reduce before the up-projection is NCCL" if tp > 1 else ""
@@ -214,7 +220,7 @@ def _lower_ffn_tail_norm(node, b, tp):
 
 
 def _lower_ffn_tail(node, b, tp):
-    up = _ffn_up(node, b)
+    up = _ffn_up(node, b, tp)
     d = _shape(_arg(node, "prefix"))[-1]
     res = _residual(b, d, 0, add=True, has_prefix=True, out_norm=False, eps=1e-6, out_eps=1e-6, tp=tp,
                     add_r=bool(up))

@@ -322,30 +322,37 @@ allreduce_rms_norm = _op("allreduce_rms_norm", "all-reduce of a partial sum fuse
 
 
 def _ffn_out(latent_partial: Optional[Tensor], latent_norm_weight: Optional[Tensor], latent_eps: float,
-             up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int) -> Tensor:
+             up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int, up_rank: int) -> Tensor:
     """[all-reduce the routed-expert latent partial, RMSNorm it, up-project it, and add] the all-reduced
-    partial (shared expert / dense MLP), in the eager model's order."""
+    partial (shared expert / dense MLP), in the eager model's order. ``up_rank`` >= 0: the up-projection is
+    row-sharded (shard_routing): this rank computes its 1/tp of the rows and the shards are all-gathered, the
+    same values as the replicated product (each output is one rank's whole dot product)."""
     if latent_partial is None:
         return _all_reduce(partial, group, tp)
     latent = ref.rms_norm(_all_reduce(latent_partial, group, tp), latent_norm_weight, latent_eps)
-    r = torch.nn.functional.linear(latent, up_weight)
+    if up_rank >= 0:
+        r = _sharded_gemm(latent, up_weight, False, group, tp, up_rank)
+    else:
+        r = torch.nn.functional.linear(latent, up_weight)
     return r + _all_reduce(partial, group, tp)
 
 
 def ffn_tail_impl(latent_partial: Optional[Tensor], latent_norm_weight: Optional[Tensor], latent_eps: float,
-                  up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int, prefix: Tensor) -> Tensor:
-    return prefix + _ffn_out(latent_partial, latent_norm_weight, latent_eps, up_weight, partial, group, tp)
+                  up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int, prefix: Tensor,
+                  up_rank: int = -1) -> Tensor:
+    return prefix + _ffn_out(latent_partial, latent_norm_weight, latent_eps, up_weight, partial, group, tp, up_rank)
 
 
-ffn_tail = _op("ffn_tail", "FFN tail: [latent all-reduce + RMSNorm + up-projection +] all-reduce of the partial + "
-               "residual add; returns the new prefix", ffn_tail_impl)
+ffn_tail = _op("ffn_tail", "FFN tail: [latent all-reduce + RMSNorm + up-projection (row-sharded + all-gathered "
+               "with up_rank >= 0) +] all-reduce of the partial + residual add; returns the new prefix", ffn_tail_impl)
 
 
 def ffn_tail_norm_impl(latent_partial: Optional[Tensor], latent_norm_weight: Optional[Tensor], latent_eps: float,
                        up_weight: Optional[Tensor], partial: Tensor, group: str, tp: int, prefix: Tensor,
                        blocks: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float, out_norm_weight: Tensor,
-                       out_eps: float) -> tuple[Tensor, Tensor]:
-    new_prefix = prefix + _ffn_out(latent_partial, latent_norm_weight, latent_eps, up_weight, partial, group, tp)
+                       out_eps: float, up_rank: int = -1) -> tuple[Tensor, Tensor]:
+    new_prefix = prefix + _ffn_out(latent_partial, latent_norm_weight, latent_eps, up_weight, partial, group, tp,
+                                   up_rank)
     return _residual_norm(new_prefix, blocks, norm_weight, proj_weight, eps, out_norm_weight, out_eps), new_prefix
 
 

@@ -27,7 +27,7 @@ def default_passes() -> list:
         # --- CLEANUP
         EliminateDeadCode(),      # unused nodes; state writes and collectives always stay
         # --- SHARD: no duplicated work across TP ranks
-        ShardRouting(),           # router scoring + latent down-projection split across ranks, all-gathered
+        ShardRouting(),           # router scoring + latent down-/up-projections split across ranks, all-gathered
         # --- FUSE
         FuseAttnResNorm(),        # AttnRes read + the RMSNorm consuming it -> one op
         FuseOprojAllreduce(),     # o_proj -> all-reduce -> residual -> AttnRes -> norm; the MoE/MLP tails

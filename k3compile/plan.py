@@ -269,11 +269,14 @@ class _Costs:
             logical = sum(node_value(w).numel() * 2 for w in wargs[0::2]) / E  # packed: 2 weights per byte
             flops += 2 * B * int(k) * logical
         else:
+            # an FFN tail's row-sharded up-projection (shard_routing): this rank reads 1/tp of its rows
+            sharded_up = node.args[3] if op.startswith("ffn_tail") and _up_rank(node) >= 0 and self.tp > 1 else None
             for a in args:
                 if self.is_weight(a):
-                    weight += _nbytes_static(a)
+                    share = self.tp if a is sharded_up else 1
+                    weight += sympy.Integer(_nbytes_static(a)) / share
                     if len(node_value(a).shape) == 2 and op not in ("attn_res", "attn_res_rms_norm"):
-                        flops += 2 * B * node_value(a).numel()
+                        flops += 2 * B * node_value(a).numel() / share
         for a in args:
             if self.is_weight(a):
                 continue
@@ -399,8 +402,16 @@ def _collectives(node, tp: int) -> dict:
     if op == "tp_all_reduce":
         return {"all_reduce": 1}
     if op in ("ffn_tail", "ffn_tail_norm") and _arg(node, "latent_partial") is not None:
-        return {"all_reduce": 1}
+        return {"all_reduce": 1, "all_gather": 1} if _up_rank(node) >= 0 else {"all_reduce": 1}
     return {}
+
+
+def _up_rank(node) -> int:
+    """An FFN tail's ``up_rank``: this rank's share of the row-sharded up-projection, -1 when replicated."""
+    from .codegen import _arg
+
+    v = _arg(node, "up_rank")
+    return -1 if v is None else int(v)
 
 
 def _attach_kernels(launches, bucket: int, tp: int) -> None:
@@ -441,7 +452,7 @@ def _attach_kernels(launches, bucket: int, tp: int) -> None:
         # one-GPU emulation copies each all-gathered shard (runtime._gather) unless the kernel wrote it in the
         # gathered layout itself (a front GEMV's REPLICAS / F32_REPLICAS)
         gathers = las[0].collectives.get("all_gather", 0)
-        if op == "front_gemm" and gathers:
+        if op in ("front_gemm", "ffn_tail", "ffn_tail_norm") and gathers:
             gathers -= sum(gathered_in_kernel(p.c) for p in points if p.template.name == "gemv")
         las[0].emulated_copies = gathers
 

@@ -433,7 +433,14 @@ class Binding:
         if a["latent_partial"] is None:
             return {}
         latent = _reduce(a["latent_partial"], a["group"], self.tp)
-        return {"r": _single(self._normed_gemv(up, a["up_weight"], latent, a["latent_norm_weight"]))}
+        w, rank = a["up_weight"], a.get("up_rank", -1)
+        if rank is None or rank < 0 or self.tp == 1:
+            return {"r": _single(self._normed_gemv(up, w, latent, a["latent_norm_weight"]))}
+        # row-sharded (shard_routing): this rank's rows, which the GEMV writes into every rank's slot of the
+        # gathered layout (REPLICAS): the emulation's all-gather as it is, real ranks all-gather slot 0
+        n = w.shape[0] // self.tp
+        r = _single(self._normed_gemv(up, w[rank * n:(rank + 1) * n], latent, a["latent_norm_weight"]))
+        return {"r": r if emulating(self.tp) else _gather(r.narrow(1, 0, n), a["group"], self.tp)}
 
     def _ffn_tail_norm(self, a, *ks):
         return self._residual(ks[-1], a, a["partial"], a["prefix"], **self._ffn_sum(a, ks[:-1]))

@@ -13,7 +13,7 @@ FFN tail (MoE layers; the dense layer 0 has no latent part, so its latent argume
 
     l  = k3.tp_all_reduce(experts)                        n2, P2 = k3.ffn_tail_norm(experts, W[routed_expert_norm],
     ln = k3.rms_norm(l, W[routed_expert_norm])                     eps, W[up], shared, g, tp, P1, blocks',
-    r  = k3.linear(ln, W[up])                                      W[next res], eps, W[next ln], eps)
+    r  = k3.linear_gather(ln, W[up], g, tp, rank)                  W[next res], eps, W[next ln], eps, rank)
     s  = k3.tp_all_reduce(shared)
     P2 = P1 + (r + s)
     n2 = k3.attn_res_rms_norm(P2, blocks', ...)   (next layer; k3.ffn_tail without it after the last layer)
@@ -120,11 +120,14 @@ class FuseOprojAllreduce(K3Pass):
             if not _is_new_prefix(p1):
                 continue
             latent = latent_w = up_w = None
-            latent_eps = 0.0
+            latent_eps, up_rank = 0.0, -1
             drop = [add]
-            if is_add(f) and dialect.is_k3(f.args[0], "linear") and dialect.is_k3(f.args[0].args[0], "allreduce_rms_norm"):
+            if is_add(f) and (dialect.is_k3(f.args[0], "linear") or dialect.is_k3(f.args[0], "linear_gather")) \
+                    and dialect.is_k3(f.args[0].args[0], "allreduce_rms_norm"):
                 r, s = f.args
-                ln, up_w = r.args
+                ln, up_w = r.args[:2]
+                if dialect.is_k3(r, "linear_gather"):  # row-sharded by shard_routing: this rank's rows, gathered
+                    up_rank = r.args[5]
                 latent, _, _, latent_w, latent_eps = ln.args
                 partial, red = _unreduce(s)
                 drop += [f, r] + ([red] if red else []) + ([ln] if len(ln.users) == 1 else [])
@@ -137,14 +140,14 @@ class FuseOprojAllreduce(K3Pass):
             norm = _next_norm(add)
             if norm is not None:
                 _, blocks, nw, pw, eps, ow, oeps = norm.args
-                fused = new_op(gm, norm, "ffn_tail_norm", tail + (blocks, nw, pw, eps, ow, oeps), drop + [norm],
-                               self.name)
+                fused = new_op(gm, norm, "ffn_tail_norm", tail + (blocks, nw, pw, eps, ow, oeps, up_rank),
+                               drop + [norm], self.name)
                 normed, p2 = tuple_outputs(gm, fused, [val(norm), val(add)])
                 norm.replace_all_uses_with(normed)
                 g.erase_node(norm)
                 add.replace_all_uses_with(p2)
             else:
-                fused = new_op(gm, add, "ffn_tail", tail, drop, self.name, add)
+                fused = new_op(gm, add, "ffn_tail", tail + (up_rank,), drop, self.name, add)
                 add.replace_all_uses_with(fused)
             for n in drop:
                 if not n.users:

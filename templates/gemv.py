@@ -319,6 +319,13 @@ class Gemv(Template):
         ex["k3tp8_qkvup_b64"] = {"bucket": 64, "n": 2304, "k": k3.q_lora_rank}
         ex["k3tp8_front_split4_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,
                                         "segments": (448, 768, 768), "split": 4}
+        # the FFN tail's latent up-projection row-sharded over the 8 ranks (shard_routing): this rank's 896 rows
+        # with the latent RMSNorm prologue (batch 1) or after the rms_norm kernel (8), written into every rank's
+        # slot of the gathered [B, 7168]
+        up = {"n": k3.hidden_size // tp, "k": k3.routed_expert_hidden_size, "segments": (k3.hidden_size // tp,),
+              "replicas": (tp,)}
+        ex["k3tp8_ffnup_shard_b1"] = {"bucket": 1, **up, "pro": "rms_norm", "eps": k3.rms_norm_eps}
+        ex["k3tp8_ffnup_shard_b8"] = {"bucket": 8, **up}
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex

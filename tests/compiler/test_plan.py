@@ -1,8 +1,8 @@
 """The kernel plan for the real config: launch counts and bytes against k3-architecture.md §3.2.
 
 §3.2's vLLM layout replicates the router, the latent down- and up-projections on every rank; our
-shard_routing pass splits the router and the down-projection across ranks, so the expected MoE bytes
-are ``up + (router + down) / tp`` instead of their sum. Routed experts: distinct experts a batch of B
+shard_routing pass splits all three across ranks, so the expected MoE bytes are ``(router + down + up) / tp``
+instead of their sum. Routed experts: distinct experts a batch of B
 touches in expectation, E * (1 - (1 - k/E)^B), at 17,547,264 B per expert / tp (no padding at TP 16).
 The KDA recurrent state (fp32, read and written) scales with B.
 """
@@ -29,7 +29,7 @@ def expected_kda_moe(tp: int, b: int) -> float:
     shared = 3 * 6144 * HID * 2 / tp
     distinct = E * (1 - (1 - K / E) ** b)
     routed = distinct * EXPERT_BYTES / tp
-    return kda + state + up + (router + down) / tp + shared + routed
+    return kda + state + (router + down + up) / tp + shared + routed
 
 
 @pytest.fixture(scope="module", params=[8, 16])
@@ -51,8 +51,8 @@ def test_kda_moe_layer_launches_and_bytes(plans):
         act = sum(float(l.act_bytes.subs(B, b)) for l in lp.launches)
         assert 0 < act < b * 0.5 * MB and lp.bytes(b) == pytest.approx(got + act, abs=len(lp.launches))
     if tp == 8:
-        # §3.2 at TP8, batch 1: 298 MB in vLLM's layout; minus (router + down) * 7/8 sharded away here.
-        assert abs(by_bucket[1].by_kind()["kda+moe"].bytes(1) / MB - (298 - (12.8 + 51.4) * 7 / 8)) < 3
+        # §3.2 at TP8, batch 1: 298 MB in vLLM's layout; minus (router + down + up) * 7/8 sharded away here.
+        assert abs(by_bucket[1].by_kind()["kda+moe"].bytes(1) / MB - (298 - (12.8 + 51.4 + 51.4) * 7 / 8)) < 3
 
 
 def test_section_3_2_component_figures(plans):
@@ -91,12 +91,14 @@ def test_layers_count_their_gpu_kernels_and_collectives(plans):
             lp = by_bucket[b].by_kind()[kind]
             c = lp.counts()
             assert (c["gpu_kernels"], c["torch_ops"], c["uncovered"]) == (n, 0, 0), (tp, kind, b, c)
-            assert c["collectives"] == ({"all_gather": 2, "all_reduce": 1} if kind.endswith("moe") else {}), c
-            assert c["emulated_copies"] == 0, c  # both gathered by the front GEMV's own stores
+            # router logits, latent rows and the up-projection's rows (shard_routing), each written into every
+            # rank's slot by its GEMV: no emulation copy
+            assert c["collectives"] == ({"all_gather": 3, "all_reduce": 1} if kind.endswith("moe") else {}), c
+            assert c["emulated_copies"] == 0, c
             assert all(l.kernels and l.gpu_kernels == sum(3 if k == "mla_decode" else 1 for k in l.kernels)
                        for l in lp.launches), [(l.name, l.kernels, l.gpu_kernels) for l in lp.launches]
     text = by_bucket[1].text()
-    assert "9 launches = 13 GPU kernels + 2 all-gathers + 1 all-reduce" in text
+    assert "9 launches = 13 GPU kernels + 3 all-gathers + 1 all-reduce" in text
     assert "3: mla_decode" in text and "2: gemv+residual_attn_res" in text and "all-gather:2" in text
     model = by_bucket[1].by_kind()["model (embedding, output AttnRes, lm_head)"]
     coll = next(l for l in model.launches if l.op == "tp_all_reduce")  # the runtime's, no kernel of ours
@@ -108,7 +110,7 @@ def test_plan_cli_json(capsys):
     js = json.loads(capsys.readouterr().out)
     kda = js["layer_types"]["kda+moe"]
     assert kda["n_launches"] <= 8 and kda["count_in_model"] == 68
-    assert kda["gpu_kernels"] == 10 and kda["collectives"] == {"all_gather": 2, "all_reduce": 1}
+    assert kda["gpu_kernels"] == 10 and kda["collectives"] == {"all_gather": 3, "all_reduce": 1}
     assert [l["kernels"] for l in kda["launches"]][:3] == [["gemv"], ["kda_decode"], ["gemv", "residual_attn_res"]]
     assert kda["floor_us"] == pytest.approx(kda["bytes"] / 4.2e12 * 1e6)
     assert {l["stream"] for l in kda["launches"]} == {"main", "shared_expert"}

@@ -536,8 +536,8 @@ def test_side_streams_off_the_gpu_is_a_clear_error(mini_model):
 
 def test_tp_emulation_takes_the_front_gemv_gathered_outputs_without_a_copy(monkeypatch):
     """One-GPU TP emulation (a fake process group of 2): the MoE front GEMV writes its router logits and latent
-    rows into both ranks' slots (F32_REPLICAS, REPLICAS), and the binding hands that layout to the routed
-    experts as the all-gather: per node the kernels equal the eager ops (whose all-gather repeats rank 0's shard),
+    rows into both ranks' slots (F32_REPLICAS, REPLICAS), as the FFN tail's up-projection its rows (REPLICAS),
+    and the bindings hand that layout on as the all-gather: per node the kernels equal the eager ops (whose all-gather repeats rank 0's shard),
     at batch 1 (one row) and 4 (compact blocks), with no all-gather copy and no input copy."""
     from k3compile.capture import tp_world
     from k3compile.models import k3_mini
@@ -558,6 +558,11 @@ def test_tp_emulation_takes_the_front_gemv_gathered_outputs_without_a_copy(monke
                   if k.point.template.name == "gemv" and k.point.c["F32_REPLICAS"] > 1]
         assert len(fronts) == 2, fronts  # the MoE front GEMV of each bucket (one kernel for every MoE layer)
         assert all(c["F32_REPLICAS"] == 2 and c["REPLICAS"][0] == 2 for c in fronts)
+        # the FFN tail's row-sharded up-projection (shard_routing) writes its rows into both slots as well
+        ups = [k.point.c for b in (1, 4) for k in d.bound[b].kernels.values()
+               if k.point.template.name == "gemv" and k.point.c["REPLICAS"] == (2,)]
+        hid = model.config.hidden_size
+        assert len(ups) == 2 and all(c["SEGMENTS"] == (hid // 2,) and c["N"] == hid // 2 for c in ups), ups
         errors = runtime.shadow_errors()
         worst = max(errors, key=errors.get)
         assert errors[worst] <= SHADOW_TOL, f"{worst}: kernels differ from the eager op by {errors[worst]:.3g}"

@@ -19,7 +19,7 @@ GOLDEN = Path(__file__).parent / "golden"
 EXPECTED_MATCHES = {
     "lift_dialect": 317,          # 278 semantic/linear ops + 39 all-reduce pairs
     "eliminate_dead_code": 0,
-    "shard_routing": 24,          # 12 routers + 12 latent down-projections
+    "shard_routing": 36,          # 12 routers + 12 latent down- + 12 up-projections
     "fuse_attn_res_norm": 25,     # 2 reads per layer, minus layer 0's pre-attention (no blocks yet)
     "fuse_oproj_allreduce": 38,   # 13 attention chains, 12 latent reductions, 13 FFN tails
     "front_gemm": 26,             # 9 KDA + 4 MLA + 1 dense + 12 MoE front GEMMs
