@@ -9,7 +9,7 @@
 # When ab_prepare.sh built examples packages (EXAMPLES=...), each round first times their kernels alone
 # (`bench-kernels --seed 1`: the same inputs for both commits); ONLY (bench-kernels --only, e.g.
 # "moe_gate_up,moe_down_combine") limits that to some of them: timing every gemv example with its torch
-# baseline takes over 200 s per package.
+# baseline takes over 200 s per package; SKIP_KERNELS=1 skips it.
 # Prints each run's per-layer lines; everything (JSON, logs) goes into one file, $OUT/ab.tgz (a device call
 # returns few files). ROUNDS (default 2) and BENCH_TIMEOUT (seconds per bench, default 200) from the
 # environment.
@@ -23,7 +23,7 @@ ARGS=("$@")
 [ ${#ARGS[@]} -gt 0 ] || ARGS=(--config slice --layers 2,3,4 --tp 8 --buckets 1,8,64 --context 1024 --systems k3compile)
 tar xzf "$AB/new.tgz" -C /tmp/ab_pk && tar xzf "$AB/old.tgz" -C /tmp/ab_pk || { echo "ab: run ab_prepare.sh first"; exit 1; }
 PKGS=(/tmp/ab_pk/new /tmp/ab_pk/old)
-[ -d /tmp/ab_pk/new/examples ] && PKGS+=(/tmp/ab_pk/new/examples /tmp/ab_pk/old/examples)
+for w in new old; do [ -d "/tmp/ab_pk/$w/examples" ] && PKGS+=("/tmp/ab_pk/$w/examples"); done
 source tests/gpu/setup.sh "${PKGS[@]}" > "$R/setup.log" 2>&1 || { cat "$R/setup.log"; exit 1; }
 python3 -m pip install -q --no-deps --no-compile --target /tmp/ab_oldsite "$AB"/old_wheel/*.whl >> "$R/setup.log" 2>&1
 echo "A/B: this tree against $(cut -c1-12 "$AB/REV"); bench ${ARGS[*]}"
@@ -39,7 +39,7 @@ side() {  # new|old, then a k3compile command line: this tree's code, or (from o
 }
 
 kernels() {  # which round: the examples alone, on the same inputs for both
-    [ -d /tmp/ab_pk/new/examples ] || return 0
+    [ -d "/tmp/ab_pk/$1/examples" ] && [ "${SKIP_KERNELS:-0}" != 1 ] || return 0
     side "$1" bench-kernels --package "/tmp/ab_pk/$1/examples" --seeds 1 --seed 1 --json "$R/kernels_$1_$2.json" \
         ${ONLY:+--only "$ONLY"} > "$R/kernels_$1_$2.log" 2>&1
     echo "-- kernels alone, $1, round $2 (rc $?)"

@@ -6,7 +6,8 @@
 #   then, on the GPU host:  bash tests/gpu/ab.sh [bench args]   (run with carry [".gpu", ".whl"])
 #
 # With EXAMPLES=moe_down_combine,gemv (templates) it also builds both commits' `codegen --examples k3tp8`
-# packages of those templates, which ab.sh times alone with `bench-kernels` (same inputs for both).
+# packages of those templates (EXAMPLE_PREFIXES: other example prefixes, comma-separated), which ab.sh times
+# alone with `bench-kernels` (same inputs for both) and session.sh tests.
 #
 # Writes .gpu/ab/: new.tgz and old.tgz (the two packages, compressed: a device call carries at most 64 MiB,
 # tracked files included), old_wheel/ (REV's k3compile: kernel names carry their template sources' hash, so
@@ -55,9 +56,12 @@ python -m pip install -q --no-deps --target "$TMP/site" "$AB"/old_wheel/*.whl > 
 codegen old "$TMP/old" "${ARGS[@]}"
 
 if [ -n "${EXAMPLES:-}" ]; then
-    echo "== the k3tp8 examples of $EXAMPLES, both commits"
-    codegen new "$TMP/new/examples" --examples k3tp8 --templates "$EXAMPLES"
-    codegen old "$TMP/old/examples" --examples k3tp8 --templates "$EXAMPLES"
+    PREFIXES=${EXAMPLE_PREFIXES:-k3tp8}
+    echo "== the $PREFIXES examples of $EXAMPLES, both commits"
+    codegen new "$TMP/new/examples" --examples "$PREFIXES" --templates "$EXAMPLES"
+    # examples new in this tree are not in REV: then only this tree's are timed and tested
+    (codegen old "$TMP/old/examples" --examples "$PREFIXES" --templates "$EXAMPLES") \
+        || { echo "   ($REV has not all of them: this tree's examples only)"; rm -rf "$TMP/old/examples"; }
 fi
 tar czf "$AB/new.tgz" -C "$TMP" new
 tar czf "$AB/old.tgz" -C "$TMP" old
