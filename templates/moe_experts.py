@@ -25,7 +25,7 @@ _ROUTING = {"renormalize": True, "scaling_factor": 2.5}
 _SITU = {"beta": 4.0, "linear_beta": 25.0}
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
-DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 where 8 leave too little smem)
+DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 or 2 where 8 leave too little smem)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
 # 128 registers a thread: no spill since the decode reads prepacked codes)
@@ -405,16 +405,21 @@ class MoeDownCombine(_RoutedExperts):
                                f"rows); pad the latent size")
         # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
         # (a stage: 32 lanes x per k-step two 16-byte weight chunks and, when I/32 % 4 == 0, 8 quads x per k-step
-        # two scale words); DOWN_WARPS warps per CTA while that leaves 2 stages each, else 4 (sPart takes 32 KB at
-        # K3 batch 64; the grouping comes from moe_gate_up, in global memory)
+        # two scale words); DOWN_WARPS warps per CTA while that leaves 2 stages each, else 4, else 2 (sPart takes
+        # 32 KB at K3 batch 64; the grouping comes from moe_gate_up, in global memory). A stage holds a warp's
+        # whole expert tile (16 rows x I): at TP 1 (I = 3072) 104 KB with 4 warps, which from batch 16 leaves no
+        # room beside sPart at 2 CTAs per SM; 2 warps fit one stage each.
         nb = inter // 32
         steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
-        for warps in (DOWN_WARPS, 4):
-            fixed = 2 * p * 16 + 4 * (1 + 3 * maxa + p) + 1024  # sPart, the grouping, padding
+        fixed = 2 * p * 16 + 4 * (1 + 3 * maxa + p) + 1024  # sPart, the grouping, padding
+        rooms = {}
+        for warps in (DOWN_WARPS, 4, 2):
             per_stage = warps * 32 * steps * 2 * 16 + (warps * 8 * steps * 2 * 4 if nb % 4 == 0 else 0)  # + scales
-            room = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
-            if room >= 2:
-                break
+            rooms[warps] = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
+        # DOWN_WARPS or 4 with 2 stages each, else 4; 2 only where 4 leave no room for one stage
+        warps = next((w for w in (DOWN_WARPS, 4) if rooms[w] >= 2), 4)
+        warps = 2 if rooms[warps] < 1 else warps
+        room = rooms[warps]
         need(room >= 1, f"{self.name}: bucket {bucket} x top_k {top_k} leaves no shared memory for the weight ring; "
                         f"use a smaller bucket")
         stages = min(4, room, -(-maxa // warps))
@@ -423,6 +428,12 @@ class MoeDownCombine(_RoutedExperts):
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
                 const("WARPS", warps, "warps per CTA (they take the active experts in turn)"),
                 const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)")]
+
+    def examples(self):
+        ex = super().examples()
+        # K3 at TP 1 (I = 3072) from batch 16: 2 warps per CTA, one expert tile in flight each (the smem limit)
+        ex["k3tp1_b16"] = {"bucket": 16, **_K3TP8, "inter": 3072, **_ROUTING, **_SITU}
+        return ex
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

@@ -362,6 +362,20 @@ def test_random_inputs_shapes_and_ranges():
     assert all(len(set(r.tolist())) == c["TOPK"] for r in ids)
 
 
+def test_down_combine_covers_k3_at_every_tp_and_bucket():
+    # a stage holds a warp's whole 16-row expert tile: at TP 1 (I = 3072) from batch 16 only 2 warps fit one
+    # stage beside sPart at 2 CTAs per SM; every other point keeps its 8 or 4 warps
+    for tp in (1, 2, 4, 8, 16):
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            c = DC.point(bucket=b, **{**_k3(), "inter": 3072 // tp}).c
+            assert c["STAGES"] >= 1 and (c["WARPS"] == 2) == (tp == 1 and b >= 16), (tp, b, c)
+
+
+def _k3():
+    return {"n_experts": 896, "top_k": 16, "latent": 3584, "inter": 384, "renormalize": True,
+            "scaling_factor": 2.5, "beta": 4.0, "linear_beta": 25.0}
+
+
 # ------------------------------------------------------------------------------------------------ compile tests
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
@@ -374,6 +388,6 @@ def reports(tmp_path_factory):
 
 @pytest.mark.timeout(1800)
 def test_examples_compile_without_spills(reports):
-    assert len(reports) == 19
+    assert len(reports) == 20
     for key, rep in reports.items():
         assert rep["stack_bytes"] == 0, (key, rep)
