@@ -13,7 +13,7 @@ FFN tail (MoE layers; the dense layer 0 has no latent part, so its latent argume
 
     l  = k3.tp_all_reduce(experts)                        n2, P2 = k3.ffn_tail_norm(experts, W[routed_expert_norm],
     ln = k3.rms_norm(l, W[routed_expert_norm])                     eps, W[up], shared, g, tp, P1, blocks',
-    r  = k3.linear_gather(ln, W[up], g, tp, rank)                  W[next res], eps, W[next ln], eps, rank)
+    r  = k3.linear_gather(ln, W[up], False, g, tp, rank)           W[next res], eps, W[next ln], eps, rank)
     s  = k3.tp_all_reduce(shared)
     P2 = P1 + (r + s)
     n2 = k3.attn_res_rms_norm(P2, blocks', ...)   (next layer; k3.ffn_tail without it after the last layer)
