@@ -9,10 +9,12 @@ xin is formed on the fly from tiny, L2-resident activations by the prologue PRO:
 
 Outputs: rows n < N_F32 of W go to y_f32 [M, N_F32] unrounded (router / lm_head logits), rows
 n >= N_F32 to y_bf16 [M, N - N_F32] rounded to bf16. An output with no rows is not an argument.
-With SEGMENTS (a front GEMV over concatenated weights at M > 1), y_bf16 holds consecutive compact [M, w]
-blocks, one per entry, instead of one row-major [M, N - N_F32] array: a column slice of the latter is strided
-once M > 1, and every consumer would need a copy (store_bf16 picks the block by a chain of selects).
-With REPLICAS (TP > 1: an entry that is all-gathered after the kernel) a block holds r copies side by side,
+With SEGMENTS (a front GEMV over concatenated weights at M > 1, or any GEMV whose entries are written with
+REPLICAS), y_bf16 holds consecutive compact [M, w] blocks, one per entry, instead of one row-major
+[M, N - N_F32] array: a column slice of the latter is strided once M > 1, and every consumer would need a copy
+(store_bf16 picks the block by a chain of selects).
+With REPLICAS (TP > 1: an entry that is all-gathered after the kernel: the MoE front GEMV's router logits and
+latent rows, the FFN tail's row-sharded up-projection) a block holds r copies side by side,
 [M, r * w] with copy p at columns p * w, and F32_REPLICAS does the same for the fp32 output: the kernel writes
 its rows into every rank's slot of the gathered layout. In single-GPU TP emulation that is the all-gather
 (every rank's shard taken to equal this rank's) with no copy kernel after this one; real ranks hand one slot
