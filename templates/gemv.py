@@ -198,6 +198,8 @@ class Gemv(Template):
         need(mma is not True or auto, f"gemv: mma=True needs bucket >= {MMA_MIN_BUCKET}, pro='none' and k % 128 == 0 "
                                       f"(got bucket {m}, pro={pro!r}, k={k})")
         use_mma = auto if mma is None else bool(mma)
+        need(row_tiles is None or use_mma, f"gemv: row_tiles={row_tiles!r} applies to the tensor-core path only "
+                                           f"(bucket >= {MMA_MIN_BUCKET}, no prologue); leave it unset")
         need(split is None or (use_mma and split in (1, 2, 4, 8)),
              f"gemv: split={split!r} (CTAs of a cluster splitting K) must be 1, 2, 4 or 8, on the tensor-core path "
              f"only (bucket >= {MMA_MIN_BUCKET}, no prologue); leave it unset for the default")

@@ -73,6 +73,8 @@ def test_split_knobs_are_checked():
         T.point(bucket=1, n=2304, k=1536, split=2)
     with pytest.raises(TemplateError, match="row_tiles"):
         T.point(**base, row_tiles=0)
+    with pytest.raises(TemplateError, match="row_tiles=2 applies to the tensor-core path only"):
+        T.point(bucket=1, n=2304, k=1536, row_tiles=2)
 
 
 def test_prologue_input_is_staged_in_shared_memory_when_it_fits():
