@@ -106,6 +106,10 @@ def mma_split(m: int, n: int, k: int, split: int | None = None,
     meet through distributed shared memory: half the activation traffic for the same grid. Measured alone on
     the H200 (BENCHMARKS.md, twenty-fifth entry): 2096 x 7168 at batch 8 10.2 -> 9.6 us with the pair (13.5 over
     4 CTAs); the q/kv up-projection 2304 x 1536 at batch 64 11.1 us with a pair and 3 stages each, 8.7 without.
+    Where instead the grid covers half the SMs or less (the FFN tail's row-sharded latent up-projection, 896 x
+    3584 at TP 8) and every CTA still reads all m > 16 RT activation rows, SPLIT = 2 keeps RT and doubles the
+    CTAs (K of at least 8 stages of 256): at batch 64 11.5 -> 8.8 us alone (BENCHMARKS.md, twenty-seventh entry;
+    at batch 8, where m = 8 rows, 3.7 -> 4.1, so not there).
 
     ``split`` given: that many CTAs per cluster, each with ``split`` times the row tiles (the same number of CTAs
     as without a split, each reading 1 / split of the activations of its K range); ``row_tiles`` given: that RT
@@ -118,6 +122,8 @@ def mma_split(m: int, n: int, k: int, split: int | None = None,
         if ((m > 16 * rt or (m >= 8 and rt == 1)) and 2 * rt * nt <= 32 and 2 * math.ceil(n / (32 * rt)) <= SMS
                 and kst8 % 2 == 0 and kst8 >= 16):
             rt, split = 2 * rt, 2
+        elif m > 16 * rt and 2 * math.ceil(n / (16 * rt)) <= SMS and kst8 % 2 == 0 and kst8 >= 8:
+            split = 2  # a grid of half the SMs or less: twice the CTAs, each pair splitting K (same row tiles)
     else:
         rt = min(split * rt, 32 // nt)
     if row_tiles is not None:
@@ -328,6 +334,7 @@ class Gemv(Template):
               "replicas": (tp,)}
         ex["k3tp8_ffnup_shard_b1"] = {"bucket": 1, **up, "pro": "rms_norm", "eps": k3.rms_norm_eps}
         ex["k3tp8_ffnup_shard_b8"] = {"bucket": 8, **up}
+        ex["k3tp8_ffnup_shard_b64"] = {"bucket": 64, **up}  # 56 row tiles: K split over CTA pairs (mma_split)
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,
                                  "pro": "rms_norm", "eps": mini.rms_norm_eps}
         return ex

@@ -44,7 +44,8 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
 
     k3 = get_config("kimi_k3")
     shapes = {(6284, 7168), (2096, 7168), (7168, 3584), (7168, 1792), (7168, 768), (7168, 4224), (12288, 7168),
-              (k3.vocab_size // 8, k3.hidden_size), (k3.vocab_size // 16, k3.hidden_size), (16, 256), (1024, 256)}
+              (k3.vocab_size // 8, k3.hidden_size), (k3.vocab_size // 16, k3.hidden_size), (16, 256), (1024, 256),
+              (896, 3584)}
     for m in (8, 16, 32, 64):
         for n, k in shapes:
             warps, rt, stages, grid, split = mma_split(m, n, k)
@@ -54,13 +55,17 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
             assert warps == (8 if m <= 16 or grid * split <= SMS else 4), (m, n, k, warps, grid)
             assert grid * split <= SMS or 2 * smem <= SMEM_BUDGET or stages == 2, (m, n, k, smem)
             # a K split only where the activations (m rows for 16 rt / 2 weight rows before the split) outweigh
-            # the weights per CTA, or are half of them with one row tile, and K has 16 stages or more
+            # the weights per CTA, or are half of them with one row tile, and K has 16 stages or more; or, with
+            # the row tiles kept, where the grid fills half the SMs or less, m > 16 rt and K has 8 stages or more
             kst8 = -(-k // 256)
-            assert split == 1 or (split == 2 and (m > 8 * rt or (m >= 8 and rt == 2)) and kst8 % 2 == 0
-                                  and kst8 >= 16), (m, n, k, rt, split)
+            pair = (m > 8 * rt or (m >= 8 and rt == 2)) and kst8 >= 16
+            wider = m > 16 * rt and 2 * grid <= SMS and kst8 >= 8
+            assert split == 1 or (split == 2 and kst8 % 2 == 0 and (pair or wider)), (m, n, k, rt, split)
             assert grid * 16 * rt >= n > (grid - 1) * 16 * rt, (m, n, k)
     assert mma_split(64, 2096, 7168)[3:] == (66, 2) and mma_split(8, 2096, 7168)[3:] == (66, 2)
     assert mma_split(64, 2304, 1536)[3:] == (72, 1)  # 3 K stages per CTA of a pair: measured slower
+    # the row-sharded FFN up-projection (56 row tiles): pairs from batch 32 (measured at 64), none at 8
+    assert mma_split(64, 896, 3584)[1:] == (1, 5, 56, 2) and mma_split(8, 896, 3584)[3:] == (56, 1)
     assert mma_split(8, 2096, 7168, split=4)[1:] == (4, 6, 33, 4)  # the knob: 4 x the row tiles, a quarter of K
     assert mma_split(64, 2304, 1536, split=1, row_tiles=1)[1] == 1
 
