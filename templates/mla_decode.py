@@ -8,9 +8,9 @@ runtime drops that node), then ``models.ops.mla_decode(q, latent, gate, cache, l
 scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plus itself (at position
 ``lengths[m]``).
 
-This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid H x M x
-4: the absorbed query ``q_nope @ W_uk`` of each (row, head) once, a quarter of its columns per CTA, rounded to bf16
-into the scratch ``ws_q``, and the latent row, to ``latent`` and the cache), a split-context attention kernel on the
+This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid H x C /
+32: the absorbed query ``q_nope @ W_uk`` of every row for one head and 32 of its columns, on the tensor cores, rounded
+to bf16 into the scratch ``ws_q``, and the latent rows, to ``latent`` and the cache), a split-context attention kernel on the
 tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
 per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x
 M / RB: two rows per CTA from batch 2 unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of CTAs per
@@ -121,8 +121,9 @@ class MlaDecode(Template):
         need(isinstance(rope, int) and rope in (32, 64, 128, 256),
              f"{p}: rope={rope} must be 32, 64, 128 or 256 (each lane owns rope/32 contiguous k_pe elements, one "
              f"vector load); K3 uses 64")
-        need(isinstance(nope, int) and nope > 0 and nope % 8 == 0,
-             f"{p}: nope={nope} must be a positive multiple of 8 (16-byte aligned q_pe copies); K3 uses 128")
+        need(isinstance(nope, int) and nope > 0 and nope % 32 == 0,
+             f"{p}: nope={nope} must be a positive multiple of 32 (the absorb kernel's K dimension, two 16-wide MMA "
+             f"steps per ldmatrix of q_nope); K3 uses 128")
         need(isinstance(v, int) and 0 < v <= 256 and v % 32 == 0,
              f"{p}: v={v} must be a multiple of 32 up to 256 (the combine kernel's 256 threads each own an output "
              f"of a column group); K3 uses 128")

@@ -12,13 +12,14 @@ local head h:
   rows come from the cache, softmax, ``ol = sum_p prob_p c_p`` ([C]), ``o[h] = ol @ W_uv[h]^T`` ([V]),
   ``out = bf16(o * sigmoid(gate))``.
 
-Kernel 1 (``absorb_kernel``, grid (H, M, ABS_SPLIT), 256 threads): the absorbed query of one (head, row), ``ql =
-q_nope @ W_uk``, a quarter of its C columns per CTA (four times the CTAs of one per head: at batch 1 each thread's
-chain of dependent weight loads is a quarter as long), summed in fp32 (the 256 threads split NOPE into DGROUPS
-interleaved parts and the CTA's columns into 8-element chunks; the parts meet in shared memory, summed in part
-order) and rounded once to bf16 into the scratch ``ws_q`` [M, H, C]: computed once per (row, head) instead of in
-every context split. The first CTA of head 0 of a row also builds the latent row and writes it to ``latent`` and to
-the cache row at position lengths[m] (clamped as the attention kernel clamps it), after its own PDL wait like every
+Kernel 1 (``absorb_kernel``, grid (H, C / ACB), 256 threads): the absorbed query ``ql = q_nope @ W_uk`` of one head
+and ACB = 32 of its C columns for every row, on the tensor cores as ``ql^T = W_uk^T q_nope^T`` (the columns are the
+16-row MMA tiles, the batch rows the 8-wide N tiles, zero-padded to a multiple of 8, NOPE the K dimension; fp32
+accumulation, rounded once to bf16 into the scratch ``ws_q`` [M, H, C]): each W_uk column is read once per step, not
+once per row (at batch 64 the per-row form read W_uk 64 times from L2), and computed once per (row, head) instead of
+in every context split. W_uk's [NOPE, ACB] slice is copied into shared memory before the PDL wait, q_nope's rows
+after it. CTA i (head-major) also builds the latent rows i, i + H C / ACB, .. and writes them to ``latent`` and to
+the cache row at position lengths[m] (clamped as the attention kernel clamps it), after its PDL wait like every
 other access but weights. No race with the attention kernel: it reads only cache positions below lengths[m] (the
 current token's row it takes from ``latent``), and nothing before its PDL wait, which returns once this kernel's
 writes are visible.
@@ -125,10 +126,11 @@ CPW = C // WARPS  # output columns per warp (PV)
 NPAIR = CPW // 16  # pairs of 8-column MMA tiles per warp (one ldmatrix.x4.trans each)
 KSTEPS_PV = TILE // 16  # k16 steps of P V over a tile
 ABS_THREADS = 256  # absorb kernel
-ABS_SPLIT = 4  # absorb kernel: CTAs per (head, row), each a quarter of ql's columns (short serial load chains)
-CPC = C // ABS_SPLIT  # columns of ql per absorb CTA
-CCHUNKS = CPC // VEC  # 8-element chunks of an absorb CTA's columns (one per thread of a part)
-DGROUPS = ABS_THREADS // CCHUNKS  # parts of the NOPE reduction
+ACB = 32  # absorb kernel: columns of ql per CTA (two 16-row MMA tiles of W_uk^T)
+ACT = ACB // 16  # ... its 16-column MMA tiles
+WKROW = ACB + VEC  # ... bf16 stride of a staged W_uk row (16 bytes of padding: conflict-free ldmatrix)
+QNROW = NOPE + VEC  # ... bf16 stride of a staged q_nope row
+MP = 8 * ((M + 7) // 8)  # ... the batch rows padded to whole 8-row MMA tiles (zero rows)
 NORM_THREADS = C // VEC  # threads holding the C part of the latent row (whole warps)
 NORM_WARPS = NORM_THREADS // 32
 ROPE_THREADS = R // VEC  # 16-byte chunks of the rope part
@@ -147,7 +149,6 @@ STAGE_WUV = V * WV_ROW * 2 <= 40 * 1024  # combine kernel: W_uv's CS columns sta
 # wait (else pulled into L2); small enough to share an SM with an attention CTA
 WCH = (CS // VEC + 31) // 32  # combine kernel, W_uv from L2: 16-byte chunks of a W_uv row per lane
 WUV_LINES = V * CS * 2 // 128  # 128-byte lines of a combine CTA's W_uv columns (prefetched into L2)
-WUK_LINES = NOPE * CPC * 2 // 128  # ... and of an absorb CTA's W_uk columns
 SCALE_LOG2 = SCALE * 1.4426950408889634  # scores in log2 units: softmax via exp2
 NEG = -1.0e30  # finite "minus infinity" for running maxima (exp2(NEG - x) == 0, no inf - inf)
 
@@ -187,7 +188,7 @@ class Kernel:
                  mCache: cute.Tensor, mLengths: cute.Tensor, mKvB: cute.Tensor, mOut: cute.Tensor,
                  mLatent: cute.Tensor, mWsQ: cute.Tensor, mWsOl: cute.Tensor, mWsMl: cute.Tensor, stream):
         self.absorb_kernel(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsQ).launch(
-            grid=(H, M, ABS_SPLIT), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
+            grid=(H, C // ACB, 1), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
         self.kernel(cute.recast_tensor(mQ, Uint32), cute.recast_tensor(mCache, Uint32), mLengths,
                     cute.recast_tensor(mLatent, Uint32), cute.recast_tensor(mWsQ, Uint32), mWsOl, mWsMl).launch(
             grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1,
@@ -216,74 +217,124 @@ class Kernel:
     @cute.kernel
     def absorb_kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
                       mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsQ: cute.Tensor):
+        self.absorb_mma(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsQ)
+
+    @cute.jit
+    def latent_row(self, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor, mLengths: cute.Tensor,
+                   mLatent: cute.Tensor, sNorm: cute.Tensor, row, tid, lane, warp):
+        """The current token's latent row of ``row``: KimiRMSNorm(kv[:C]) * w | kv[C:], to ``latent`` and to the
+        cache row at lengths[row] (never read by kernel 2). Every thread of the CTA calls it (one CTA barrier)."""
+        rW = cute.make_rmem_tensor((VEC,), BFloat16)
+        rX = cute.make_rmem_tensor((VEC,), BFloat16)
+        rY = cute.make_rmem_tensor((VEC,), BFloat16)
+        gRow = mCache[row, self.length_of(mLengths, row), None]
+        ss = Float32(0.0)
+        if tid < NORM_THREADS:
+            cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (tid,)), rX)
+            x = rX.load().to(Float32)
+            ss = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        ss = cute.arch.warp_reduction(ss, operator.add)
+        if lane == 0 and warp < NORM_WARPS:
+            sNorm[warp] = ss
+        cute.arch.sync_threads()
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(NORM_WARPS):
+            total = total + sNorm[w]
+        rstd = cute.math.rsqrt(total / Float32(C) + Float32(KV_EPS))
+        if tid < NORM_THREADS:
+            cute.autovec_copy(cute.local_tile(mKvNormW, (VEC,), (tid,)), rW)
+            normed = (rX.load().to(Float32) * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
+            rY.store((normed.to(Float32) * rW.load().to(Float32)).to(BFloat16))
+            cute.autovec_copy(rY, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
+            cute.autovec_copy(rY, cute.local_tile(gRow, (VEC,), (tid,)))
+        for r8 in cutlass.range(tid, ROPE_THREADS, ABS_THREADS, unroll=1):
+            cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (NORM_THREADS + r8,)), rX)
+            cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
+            cute.autovec_copy(rX, cute.local_tile(gRow, (VEC,), (NORM_THREADS + r8,)))
+
+    @cute.jit
+    def absorb_mma(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
+                   mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsQ: cute.Tensor):
+        """CTA (head, cb) computes ql[:, head, cb ACB .. (cb + 1) ACB] for every row as
+        ql^T = W_uk[head]^T q_nope^T on the tensor cores (W_uk^T's columns as the MMA rows, the batch rows as its 8-wide
+        N tiles, NOPE as K), so each W_uk column is read once per step, not once per row. W_uk's [NOPE, ACB] slice is
+        copied into shared memory before the PDL wait, q_nope's rows after it; the fp32 sums are rounded once to bf16,
+        staged in shared memory and stored in 16-byte chunks. CTA i (in head-major order) also builds the latent rows
+        i, i + H C / ACB, ..."""
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         head = cute.arch.block_idx()[0]
-        row = cute.arch.block_idx()[1]
-        cs = cute.arch.block_idx()[2]  # this CTA's columns of ql: chunks cs * CCHUNKS ...
+        cb = cute.arch.block_idx()[1]
+        g = lane // 4
+        t = lane % 4
         smem = cutlass.utils.SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((DGROUPS, CPC), stride=(CPC, 1)), 16)
+        sW = smem.allocate_tensor(BFloat16, cute.make_layout((NOPE, WKROW), stride=(WKROW, 1)), 16)
+        sX = smem.allocate_tensor(BFloat16, cute.make_layout((MP, QNROW), stride=(QNROW, 1)), 16)
+        sY = smem.allocate_tensor(BFloat16, cute.make_layout((MP, WKROW), stride=(WKROW, 1)), 16)
         sNorm = smem.allocate_tensor(Float32, cute.make_layout((NORM_WARPS,)), 16)
-        rW = cute.make_rmem_tensor((VEC,), BFloat16)
-        rX = cute.make_rmem_tensor((VEC,), BFloat16)
-        rY = cute.make_rmem_tensor((VEC,), BFloat16)
-        rAcc = cute.make_rmem_tensor((VEC,), Float32)
-        # this CTA's W_uk columns into L2 while the previous kernel runs (a static weight: before the PDL wait)
-        for k in cutlass.range_constexpr((WUK_LINES + ABS_THREADS - 1) // ABS_THREADS):
-            li = tid + k * ABS_THREADS
-            if li < WUK_LINES:
-                d = li // (CPC // 64)
-                cute.arch.prefetch(cute.local_tile(mKvB[head * KVH + d, None], (64,),
-                                                   (cs * (CPC // 64) + li - d * (CPC // 64),)).iterator.llvm_ptr,
-                                   cache_level="L2")
+        cp16 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), BFloat16,
+                                   num_bits_per_copy=128)
+        # W_uk[head][:, cb ACB ..] (a static weight) into shared memory while the previous kernel runs
+        for k in cutlass.range_constexpr((NOPE * (ACB // VEC) + ABS_THREADS - 1) // ABS_THREADS):
+            ci = tid + k * ABS_THREADS
+            if ci < NOPE * (ACB // VEC):
+                d = ci // (ACB // VEC)
+                ch = ci - d * (ACB // VEC)
+                cute.copy(cp16, cute.local_tile(mKvB[head * KVH + d, None], (VEC,), (cb * (ACB // VEC) + ch,)),
+                          cute.local_tile(sW[d, None], (VEC,), (ch,)))
+        cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+        for k in cutlass.range_constexpr((M * (NOPE // VEC) + ABS_THREADS - 1) // ABS_THREADS):
+            ci = tid + k * ABS_THREADS
+            if ci < M * (NOPE // VEC):
+                m = ci // (NOPE // VEC)
+                ch = ci - m * (NOPE // VEC)
+                cute.copy(cp16, cute.local_tile(mQ[m, None], (VEC,), (head * (QH // VEC) + ch,)),
+                          cute.local_tile(sX[m, None], (VEC,), (ch,)))
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(MP > M):  # the padding rows of the last N tile: zeros
+            rZero = cute.make_rmem_tensor((VEC,), BFloat16)
+            rZero.fill(0.0)
+            for ci in cutlass.range(tid, (MP - M) * (NOPE // VEC), ABS_THREADS, unroll=1):
+                m = M + ci // (NOPE // VEC)
+                cute.autovec_copy(rZero, cute.local_tile(sX[m, None], (VEC,), (ci % (NOPE // VEC),)))
 
-        # ql part: d = dg, dg + DGROUPS, ... of chunk cc
-        cc = tid % CCHUNKS
-        dg = tid // CCHUNKS
-        rAcc.fill(0.0)
-        if tid < DGROUPS * CCHUNKS:
-            for d in cutlass.range(dg, NOPE, DGROUPS, unroll=8):
-                qd = Float32(mQ[row, head * QH + d])
-                cute.autovec_copy(cute.local_tile(mKvB[head * KVH + d, None], (VEC,), (cs * CCHUNKS + cc,)), rW)
-                rAcc.store(rAcc.load() + rW.load().to(Float32) * qd)
-            cute.autovec_copy(rAcc, cute.local_tile(sPart[dg, None], (VEC,), (cc,)))
+        # the latent rows of this CTA (head-major CTA index), while the copies land
+        for r in cutlass.range(head * (C // ACB) + cb, M, H * (C // ACB), unroll=1):
+            self.latent_row(mKv, mKvNormW, mCache, mLengths, mLatent, sNorm, r, tid, lane, warp)
+            cute.arch.sync_threads()  # sNorm is free for the next row
 
-        if head + cs == 0:  # the current token's latent row: KimiRMSNorm(kv[:C]) * w | kv[C:], to latent and the cache
-            gRow = mCache[row, self.length_of(mLengths, row), None]  # its cache row (never read by kernel 2)
-            ss = Float32(0.0)
-            if tid < NORM_THREADS:
-                cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (tid,)), rX)
-                x = rX.load().to(Float32)
-                ss = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-            ss = cute.arch.warp_reduction(ss, operator.add)
-            if lane == 0 and warp < NORM_WARPS:
-                sNorm[warp] = ss
-            cute.arch.sync_threads()
-            total = Float32(0.0)
-            for w in cutlass.range_constexpr(NORM_WARPS):
-                total = total + sNorm[w]
-            rstd = cute.math.rsqrt(total / Float32(C) + Float32(KV_EPS))
-            if tid < NORM_THREADS:
-                cute.autovec_copy(cute.local_tile(mKvNormW, (VEC,), (tid,)), rW)
-                normed = (rX.load().to(Float32) * rstd).to(BFloat16)  # KimiRMSNorm rounds before the weight
-                rY.store((normed.to(Float32) * rW.load().to(Float32)).to(BFloat16))
-                cute.autovec_copy(rY, cute.local_tile(mLatent[row, None], (VEC,), (tid,)))
-                cute.autovec_copy(rY, cute.local_tile(gRow, (VEC,), (tid,)))
-            for r8 in cutlass.range(tid, ROPE_THREADS, ABS_THREADS, unroll=1):
-                cute.autovec_copy(cute.local_tile(mKv[row, None], (VEC,), (NORM_THREADS + r8,)), rX)
-                cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
-                cute.autovec_copy(rX, cute.local_tile(gRow, (VEC,), (NORM_THREADS + r8,)))
-
+        cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        if tid < CCHUNKS:  # the parts summed in order, rounded once
-            rAcc.fill(0.0)
-            for gp in cutlass.range_constexpr(DGROUPS):
-                rAcc.store(rAcc.load() + cute.local_tile(sPart[gp, None], (VEC,), (tid,)).load())
-            rY.store(rAcc.load().to(BFloat16))
-            cute.autovec_copy(rY, cute.local_tile(mWsQ[row, head, None], (VEC,), (cs * CCHUNKS + tid,)))
+        j = lane // 8
+        r8 = lane % 8
+        # A = W_uk^T (rows: columns c of ql, k: d) by ldmatrix.trans of sW [d][c]: matrix j holds c + 8 (j % 2), d + 8 (j // 2)
+        a_addr = sW.iterator.toint() + (8 * (j // 2) + r8) * (WKROW * 2) + 8 * (j % 2) * 2
+        # B = q_nope^T (k: d, n: batch rows) by ldmatrix of sX [m][d]: matrix j holds d + 8 j (two k16 steps)
+        b_addr = sX.iterator.toint() + r8 * (QNROW * 2) + 8 * j * 2
+        for pi in cutlass.range(warp, ACT * (MP // 8), ABS_THREADS // 32, unroll=1):
+            mt = pi % ACT
+            nt = pi // ACT
+            acc0 = [Float32(0.0)] * 4  # two accumulators: half the dependent MMA chain
+            acc1 = [Float32(0.0)] * 4
+            for kk in cutlass.range_constexpr(NOPE // 32):
+                b = ldsm_x4(b_addr + nt * 8 * (QNROW * 2) + kk * 64, False)
+                a0 = ldsm_x4(a_addr + (2 * kk) * 16 * (WKROW * 2) + mt * 32, True)
+                a1 = ldsm_x4(a_addr + (2 * kk + 1) * 16 * (WKROW * 2) + mt * 32, True)
+                acc0 = mma_bf16_16816(a0, (b[0], b[1]), acc0)
+                acc1 = mma_bf16_16816(a1, (b[2], b[3]), acc1)
+            for e in cutlass.range_constexpr(4):  # D[c][m]: c = mt 16 + g (+ 8 for e >= 2), m = nt 8 + 2 t + e % 2
+                sY[nt * 8 + 2 * t + e % 2, mt * 16 + g + 8 * (e // 2)] = (acc0[e] + acc1[e]).to(BFloat16)
+        cute.arch.sync_threads()
+        for k in cutlass.range_constexpr((M * (ACB // VEC) + ABS_THREADS - 1) // ABS_THREADS):
+            ci = tid + k * ABS_THREADS
+            if ci < M * (ACB // VEC):
+                m = ci // (ACB // VEC)
+                ch = ci - m * (ACB // VEC)
+                cute.autovec_copy(cute.local_tile(sY[m, None], (VEC,), (ch,)),
+                                  cute.local_tile(mWsQ[m, head, None], (VEC,), (cb * (ACB // VEC) + ch,)))
 
     # ------------------------------------------------------------------ kernel 2: split attention
     @cute.jit

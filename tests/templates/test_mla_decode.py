@@ -83,6 +83,7 @@ def test_args_roles_and_shapes():
     ({"kv_lora": 4096}, "kv_lora=4096 must be a multiple of 256 up to 2048"),
     ({"kv_lora": 2048}, "bytes of shared memory"),
     ({"nope": 100}, "nope=100"),
+    ({"nope": 48}, "nope=48 must be a positive multiple of 32"),
     ({"kv_lora": 300}, "kv_lora=300"),
     ({"rope": 48}, "rope=48"),
     ({"v": 100}, "v=100"),
@@ -329,10 +330,12 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
         assert ".target sm_90a" in ptx, label
         assert len(re.findall(r"^\.visible \.entry", ptx, re.M)) == 3, label
         assert ptx.count("griddepcontrol.wait") == 3 and ptx.count("griddepcontrol.launch_dependents") == 3
-        assert "ld.global.v4" in ptx, label  # 16-byte weight loads (absorb, combine)
-        # the attention kernel: cache rows by 16-byte cp.async, QK^T and PV on the tensor cores
+        assert "ld.global.v4" in ptx, label  # 16-byte loads (the latent row, the combine's partials)
+        # the attention kernel: cache rows by 16-byte cp.async, QK^T and PV on the tensor cores; the absorb kernel:
+        # ql^T = W_uk^T q_nope^T on the tensor cores, NOPE / 16 MMAs (two chains) per 16-column, 8-row output tile
         ht, row = -(-c["H"] // 16), c["C"] + c["R"]
         assert ptx.count("cp.async.cg.shared.global") >= 1, label
-        assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == ht * (row // 16 + c["C"] // 8 // 8
-                                                                                     * c["TILE"] // 16), label
-        assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == ht * (c["TILE"] // 16) * (c["C"] // 128)
+        attn_mma = ht * (row // 16 + c["C"] // 8 // 8 * c["TILE"] // 16)
+        assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == attn_mma + c["NOPE"] // 16, label
+        attn_trans = ht * (c["TILE"] // 16) * (c["C"] // 128)
+        assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == attn_trans + c["NOPE"] // 16, label
