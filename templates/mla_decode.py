@@ -13,12 +13,10 @@ This template is **three kernels** launched back to back by one ``Kernel.__call_
 to bf16 into the scratch ``ws_q``, and the latent rows, to ``latent`` and the cache), a split-context attention kernel on the
 tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
 per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x
-M / RB: two rows per CTA from batch 2 unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of CTAs per
-head (four at K3), each merging a share of the partials' columns) that merges the partials and applies W_uv and
-the sigmoid output gate. The examples ``k3tp8_b64_r4`` / ``_r8`` are batch 64 with 4 and 8 rows per combine CTA:
-a quarter / an eighth of the default's 1,536 CTAs (2.3 waves at five 42 KB CTAs per SM), each staging its
-32 KB of W_uv once for more rows; on the H200 four rows took 284.9 µs alone against the default's 281.3
-(``BENCHMARKS.md``, eighteenth entry), so the default stays two.
+M / RB: ``default_combine_rows`` rows per CTA unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of
+CTAs per head (four at K3), each merging a share of the partials' columns) that merges the partials and applies W_uv
+and the sigmoid output gate. The examples ``k3tp8_b64_r2`` / ``_r4`` are batch 64 with 2
+and 4 rows per combine CTA (the default there is 8, ``default_combine_rows``).
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
 ``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
@@ -70,6 +68,21 @@ def combine_split(v: int, kv_lora: int = 512) -> int:
     shared memory), 301.1 / 301.3 with two and 296.8 / 297.1 with one. When each CTA still merged all C columns
     (before 2026-12-03), four CTAs at batch 64 cost 9 us in the layer: the split then stopped at two CTAs per SM."""
     return next(s for s in (4, 2, 1) if s == 1 or (s <= v // 32 and kv_lora % (128 * s) == 0 and v % s == 0))
+
+
+def default_combine_rows(bucket: int, heads: int, v: int, combine: int) -> int:
+    """Rows per combine CTA (W_uv's columns staged once for all of them): the most of 8, 4, 2 that divides the
+    bucket, leaves at most 256 outputs per CTA (rows x v / combine) and still gives at least two CTAs per SM
+    (combine x heads x bucket / rows >= 2 x SMS); else min(bucket, 2).
+
+    Measured on the H200 (2026-12-04, K3 TP8 shard, 12 heads, the MLA + MoE layer of the slice bench, combine
+    kernel's exposed µs): batch 64 at context 1k 21.5 with 2 rows (1,536 CTAs), 10.9 with 8 (384); at 32k 31.9 and
+    23.7. Batch 8: 5.3 with 2 rows, 6.0 with 4 and 7.6 with 8 (48 CTAs): the rule keeps 2 there. At K3 TP8 it
+    gives 8 rows at batch 64, 4 at 32 (not measured) and 2 below."""
+    for rows in (8, 4, 2):
+        if bucket % rows == 0 and rows * v <= 256 * combine and combine * heads * bucket // rows >= 2 * SMS:
+            return rows
+    return min(bucket, 2)
 
 
 def default_chunk_min(bucket: int) -> int:
@@ -148,11 +161,11 @@ class MlaDecode(Template):
              f"{p}: combine={combine} must be 1, 2 or 4 CTAs per head, each at least 128 of the kv_lora={kv_lora} "
              f"columns and a whole share of the v={v} outputs (or None: combine_split)")
         if combine_rows is None:
-            combine_rows = min(bucket, 2)
+            combine_rows = default_combine_rows(bucket, heads, v, combine)
         need(combine_rows in (1, 2, 4, 8) and bucket % combine_rows == 0 and combine_rows * v <= 256 * combine,
              f"{p}: combine_rows={combine_rows} must be 1, 2, 4 or 8, divide the bucket {bucket}, and leave at most "
              f"256 outputs per combine CTA (rows x v / combine = {combine_rows} x {v} / {combine}: one per thread); "
-             f"or None: min(bucket, 2)")
+             f"or None: default_combine_rows")
         smem = attention_smem(heads, row)
         need(smem <= SMEM_BUDGET,
              f"{p}: the attention kernel needs {smem} bytes of shared memory for {heads} heads and {row}-wide "
@@ -185,7 +198,7 @@ class MlaDecode(Template):
         ex["mini_h1_b1"] = dict(bucket=1, heads=1, lmax=4096, **common)  # the trained k3-mini at TP 2
         # a two-CTA cluster and one row per combine CTA at a batch of several rows (codegen --batch-invariant's kind)
         ex["mini_b4_c2r1"] = dict(bucket=4, heads=8, lmax=4096, combine=2, combine_rows=1, **common)
-        for rb in (4, 8):  # more rows per combine CTA at batch 64 (a quarter / an eighth of its CTAs)
+        for rb in (2, 4):  # fewer rows per combine CTA at batch 64 than the default 8
             ex[f"k3tp8_b64_r{rb}"] = dict(bucket=64, heads=12, lmax=16384, combine_rows=rb, **common)
         return ex
 

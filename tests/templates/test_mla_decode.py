@@ -318,6 +318,16 @@ def test_combine_split_is_the_most_the_shapes_allow():
     assert c2r1["COMBINE_SPLIT"] == 2 and c2r1["RB"] == 1
 
 
+def test_default_combine_rows():
+    """Rows per combine CTA: 8 at K3 TP8's batch 64 (measured), 4 at 32, 2 below (at least two CTAs per SM), never
+    more than 256 outputs per CTA, and what the point takes when none is given."""
+    got = {b: T.point(**{**EXAMPLES["k3tp8_b8"], "bucket": b}).c["RB"] for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert got == {1: 1, 2: 2, 4: 2, 8: 2, 16: 2, 32: 4, 64: 8}
+    assert T.point(**{**EXAMPLES["k3tp8_b8"], "bucket": 64, "combine": 2}).c["RB"] == 4  # 8 x 128 / 2 > 256
+    assert T.point(**{**EXAMPLES["mini_b64"]}).c["RB"] == 4  # 8 heads: 8 rows would leave 256 CTAs < 2 x 132
+    assert T.point(**EXAMPLES["k3tp8_b64_r2"]).c["RB"] == 2
+
+
 def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
     """Every example compiles (fresh cache) for sm_90a with no spills; the three kernels are in the PTX and wait
     on their PDL dependency; the attention kernel copies cache rows with cp.async and runs QK^T and PV as the
