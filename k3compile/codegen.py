@@ -343,6 +343,7 @@ def batch_invariant_specs(specs: list) -> list:
             params.setdefault("chunk_min", default_chunk_min(1))  # a row's splits depend on it and its length
             params["splits"] = default_splits(1, params["lmax"], params["chunk_min"])
             params["combine_rows"] = 1  # the combine kernel's merge order depends on its rows per CTA
+            params["balance"] = False  # balanced splits depend on the other rows' lengths
         if t == "residual_attn_res":  # a row's statistics are summed per CTA, then over the cluster
             params["cluster"] = default_cluster(1, params["d"])
     return specs

@@ -10,13 +10,13 @@ scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plu
 
 This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid H x C /
 32: the absorbed query ``q_nope @ W_uk`` of every row for one head and 32 of its columns, on the tensor cores, rounded
-to bf16 into the scratch ``ws_q``, and the latent rows, to ``latent`` and the cache), a split-context attention kernel on the
-tensor cores (grid NSPLIT x M, all local heads of a token in one CTA as the MMA rows, so each cache row is read once
-per token) writing partial (max, sum, ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x
-M / RB: ``default_combine_rows`` rows per CTA unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of
-CTAs per head (four at K3), each merging a share of the partials' columns) that merges the partials and applies W_uv
-and the sigmoid output gate. The examples ``k3tp8_b64_r2`` / ``_r4`` are batch 64 with 2
-and 4 rows per combine CTA (the default there is 8, ``default_combine_rows``).
+to bf16 into the scratch ``ws_q``, and the latent rows, to ``latent`` and the cache), a split-context attention
+kernel on the tensor cores (grid NSPLIT x M, splits sized from the batch's lengths by ``split_plan``, all local
+heads of a token in one CTA as the MMA rows, so each cache row is read once per token) writing partial (max, sum,
+ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x M / RB: ``default_combine_rows`` rows
+per CTA unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of CTAs per head (four at K3), each
+merging a share of the partials' columns) that merges the partials and applies W_uv and the sigmoid output gate. The
+examples ``k3tp8_b64_r2`` / ``_r4`` are batch 64 with 2 and 4 rows per combine CTA (the default there is 8).
 
 Roles: ``cache`` is decode state, written in place at one position per row, ``lengths[m]`` clamped into
 ``0 .. lmax-1`` as the attention kernel clamps it (the absorb kernel writes the row; the attention kernel never
@@ -112,6 +112,38 @@ def default_splits(bucket: int, lmax: int, chunk_min: int | None = None) -> int:
     return max(1, min(most, s))
 
 
+def split_plan(c: dict, lengths) -> list[tuple[int, int]]:
+    """(active splits, positions per split) of every row, as ``Kernel.splits_of`` computes them on the device from
+    the runtime lengths (clamped into 0 .. LMAX - 1; row m has lengths[m] + 1 valid positions).
+
+    BALANCE (the default) from batch 2: every row's splits are whole runs of tp tiles, tp the smallest number >= lo
+    whose splits over the whole batch fit one wave of SMS attention CTAs (one per SM: their shared memory allows no
+    second), by the kernel's bisection in [lo, hi]; so rows of one length share the GPU evenly (batch 64 at context
+    1k: 2 splits of 9 tiles per row, 128 CTAs, where a fixed split size gave 5 of 4 tiles, 320 CTAs in three
+    rounds) and a long row among short ones takes the SMs they leave. Otherwise (one row, whose own rule already
+    fills the wave; ``codegen --batch-invariant``, where a row's reduction order must not depend on the other rows)
+    min(NSPLIT, ceil(n / CHUNK_MIN)) splits of ceil(n / nact) positions."""
+    tile, lmax, nsplit, sms = c["TILE"], c["LMAX"], c["NSPLIT"], c["SMS"]
+    ns = [max(0, min(int(x), lmax - 1)) + 1 for x in lengths]
+    if not c["BALANCE"] or c["M"] == 1:
+        out = []
+        for n in ns:
+            nact = min((n + c["CHUNK_MIN"] - 1) // c["CHUNK_MIN"], nsplit)
+            out.append((nact, (n + nact - 1) // nact))
+        return out
+    tiles = [(n + tile - 1) // tile for n in ns]
+    total, tmax, m = sum(tiles), max(tiles), c["M"]
+    lo = max((c["CHUNK_MIN"] + tile - 1) // tile, -(-total // sms), -(-tmax // nsplit))
+    hi = max(lo, -(-total // (sms - m)))
+    for _ in range((lmax // tile + 1).bit_length()):
+        mid = (lo + hi) // 2
+        if sum(-(-t // mid) for t in tiles) <= sms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return [(-(-n // (hi * tile)), hi * tile) for n in ns]
+
+
 class MlaDecode(Template):
     name = "mla_decode"
     kernel_file = "mla_decode.py"
@@ -122,7 +154,7 @@ class MlaDecode(Template):
 
     def constants(self, *, bucket: int, heads: int, nope: int, rope: int, v: int, kv_lora: int, lmax: int,
                   kv_eps: float, scale: float, splits: int | None = None, chunk_min: int | None = None,
-                  combine: int | None = None, combine_rows: int | None = None) -> list:
+                  combine: int | None = None, combine_rows: int | None = None, balance: bool = True) -> list:
         p = "mla_decode"
         need_bucket(p, bucket)
         need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
@@ -151,6 +183,7 @@ class MlaDecode(Template):
             chunk_min = default_chunk_min(bucket)
         need(isinstance(chunk_min, int) and chunk_min >= 1,
              f"{p}: chunk_min={chunk_min} must be a positive number of positions per split")
+        need(isinstance(balance, bool), f"{p}: balance={balance!r} must be True or False")
         if splits is None:
             splits = default_splits(bucket, lmax, chunk_min)
         need(isinstance(splits, int) and 1 <= splits <= 4096,
@@ -182,6 +215,9 @@ class MlaDecode(Template):
                 const("SCALE", float(scale), "softmax scale ((nope + rope) ** -0.5)"),
                 const("NSPLIT", splits, "most context splits per row (grid.x of the attention kernel)"),
                 const("CHUNK_MIN", chunk_min, "fewest positions per split (short rows use fewer splits)"),
+                const("BALANCE", bool(balance), "split sizes from the whole batch's lengths (one wave of CTAs), else "
+                                                "from each row's own length"),
+                const("SMS", SMS, "streaming multiprocessors (BALANCE: one wave of attention CTAs, one per SM)"),
                 const("TILE", TILE, "cache rows per shared-memory tile (8 per warp)"),
                 const("COMBINE_SPLIT", combine, "combine kernel: CTAs of a cluster per (head, row group), each "
                                                 "C / COMBINE_SPLIT columns of ol"),
@@ -196,8 +232,9 @@ class MlaDecode(Template):
             ex[f"k3tp8_b{b}"] = dict(bucket=b, heads=12, lmax=lmax, **common)
         ex["mini_h2_b4"] = dict(bucket=4, heads=2, lmax=4096, **common)  # the trained k3-mini (2 heads): 64 threads
         ex["mini_h1_b1"] = dict(bucket=1, heads=1, lmax=4096, **common)  # the trained k3-mini at TP 2
-        # a two-CTA cluster and one row per combine CTA at a batch of several rows (codegen --batch-invariant's kind)
-        ex["mini_b4_c2r1"] = dict(bucket=4, heads=8, lmax=4096, combine=2, combine_rows=1, **common)
+        # a two-CTA cluster, one row per combine CTA and per-row splits at a batch of several rows (codegen
+        # --batch-invariant's kind)
+        ex["mini_b4_c2r1"] = dict(bucket=4, heads=8, lmax=4096, combine=2, combine_rows=1, balance=False, **common)
         for rb in (2, 4):  # fewer rows per combine CTA at batch 64 than the default 8
             ex[f"k3tp8_b64_r{rb}"] = dict(bucket=64, heads=12, lmax=16384, combine_rows=rb, **common)
         return ex

@@ -25,8 +25,12 @@ current token's row it takes from ``latent``), and nothing before its PDL wait, 
 writes are visible.
 
 Kernel 2 (``kernel``, grid (NSPLIT, M), 8 warps): flash-decoding split over the context, on the tensor cores.
-Row m has n = lengths[m] + 1 valid positions (read on device); it uses ``nact = min(NSPLIT, ceil(n /
-CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions each; CTAs with a split index >= nact do nothing. An
+Row m has n = lengths[m] + 1 valid positions (read on device). With BALANCE (and M > 1) its splits are runs of tp whole
+TILE-row tiles, ``nact = ceil(n / (tp TILE))`` of them, tp the same for every row: the smallest number of tiles
+(at least CHUNK_MIN positions, at most NSPLIT splits per row) whose splits over the whole batch fit one wave of SMS
+CTAs, computed by every warp from all M lengths (``tiles_per_split``; mirrored by the template's ``split_plan``).
+Otherwise (one row; batch-invariant code, where a row's splits depend only on its own length) ``nact = min(NSPLIT,
+ceil(n / CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions. CTAs with a split index >= nact do nothing. An
 active CTA:
   1. copies its query into shared memory, ``Q = [ql | q_pe]`` (HP = 16 * HT rows: the local heads padded to
      whole 16-row MMA tiles with zero rows, ROW = C + R bf16 columns);
@@ -104,6 +108,8 @@ KV_EPS = 1e-06  # kv_a_layernorm epsilon
 SCALE = 0.07216878364870322  # softmax scale ((nope + rope) ** -0.5)
 NSPLIT = 4  # most context splits per row (grid.x of the attention kernel)
 CHUNK_MIN = 256  # fewest positions per split (short rows use fewer splits)
+BALANCE = True  # split sizes from the whole batch's lengths (one wave of CTAs), else from each row's own length
+SMS = 132  # streaming multiprocessors (BALANCE: one wave of attention CTAs, one per SM)
 TILE = 64  # cache rows per shared-memory tile (8 per warp)
 COMBINE_SPLIT = 4  # combine kernel: CTAs of a cluster per (head, row group), each C / COMBINE_SPLIT columns of ol
 RB = 2  # combine kernel: rows per CTA (W_uv read once for them)
@@ -140,6 +146,8 @@ COMBINE_THREADS = 32 * COMBINE_WARPS
 CS = C // COMBINE_SPLIT  # combine kernel: columns of ol one CTA merges (cluster rank r: r * CS ..)
 OCH = CS // 128  # combine kernel: 4-element chunks of ol per lane and split
 MERGE_UNROLL = min(8, 16 // OCH)  # combine kernel: splits of a warp in flight in the merge
+TPMIN = (CHUNK_MIN + TILE - 1) // TILE  # BALANCE: fewest tiles per split
+SEARCH_STEPS = (LMAX // TILE + 1).bit_length()  # BALANCE: bisection steps over tiles per split
 SPL = min(8, (NSPLIT + 31) // 32)  # combine kernel: splits' statistics per lane loaded at once
 VPC = V // COMBINE_SPLIT  # combine kernel: outputs per CTA in the sum over the cluster
 OGR = COMBINE_THREADS // V  # combine kernel: column groups of the partial o (thread t: output t % V, group t // V)
@@ -205,12 +213,49 @@ class Kernel:
         return cutlass.max(cutlass.min(length, Int32(LMAX - 1)), Int32(0))
 
     @cute.jit
+    def tiles_of(self, mLengths: cute.Tensor, row):
+        """TILE-row tiles of row ``row``'s valid positions (0 for a row index past the batch)."""
+        tiles = Int32(0)
+        if row < M:
+            tiles = (self.length_of(mLengths, row) + TILE) // TILE
+        return tiles
+
+    @cute.jit
+    def tiles_per_split(self, mLengths: cute.Tensor):
+        """BALANCE: tiles per split, the same in every warp of every CTA of both kernels (each warp computes it from
+        all M lengths, lane l holding rows l and l + 32): the smallest tp >= lo such that the whole batch's splits,
+        sum over rows of ceil(tiles_m / tp), fit one wave of SMS attention CTAs, found by bisection in [lo, hi] with
+        lo = max(TPMIN, ceil(T / SMS), ceil(max tiles / NSPLIT)) and hi = max(lo, ceil(T / (SMS - M))) (feasible:
+        the sum is at most T / tp + M), T the batch's tiles."""
+        lane = cute.arch.lane_idx()
+        t0 = self.tiles_of(mLengths, lane)
+        t1 = self.tiles_of(mLengths, lane + 32)
+        total = cute.arch.warp_reduction(t0 + t1, operator.add)
+        tmax = cute.arch.warp_reduction(cutlass.max(t0, t1), lambda a, b: cutlass.max(a, b))
+        lo = cutlass.max(cutlass.max(Int32(TPMIN), (total + (SMS - 1)) // SMS), (tmax + (NSPLIT - 1)) // NSPLIT)
+        hi = cutlass.max(lo, (total + (SMS - M - 1)) // (SMS - M))
+        for _ in cutlass.range_constexpr(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            ctas = cute.arch.warp_reduction((t0 + mid - 1) // mid + (t1 + mid - 1) // mid, operator.add)
+            fits = ctas <= SMS
+            hi = cutlass.select_(fits, mid, hi)
+            lo = cutlass.select_(fits, lo, mid + 1)
+        return hi
+
+    @cute.jit
     def splits_of(self, mLengths: cute.Tensor, row):
-        """(clamped length, valid positions n, active splits, positions per split) of one row."""
+        """(clamped length, valid positions n, active splits, positions per split) of one row. Every thread of the
+        CTA calls it (BALANCE: warp shuffles)."""
         length = self.length_of(mLengths, row)
         n = length + 1
-        nact = cutlass.min((n + (CHUNK_MIN - 1)) // CHUNK_MIN, Int32(NSPLIT))
-        chunk = (n + nact - 1) // nact
+        nact = Int32(0)
+        chunk = Int32(0)
+        if cutlass.const_expr(BALANCE and M > 1):
+            chunk = self.tiles_per_split(mLengths) * TILE
+            nact = (n + chunk - 1) // chunk
+        else:
+            nact = cutlass.min((n + (CHUNK_MIN - 1)) // CHUNK_MIN, Int32(NSPLIT))
+            chunk = (n + nact - 1) // nact
         return length, n, nact, chunk
 
     # --------------------------------------------------------- kernel 1: absorbed query, latent row
@@ -310,7 +355,8 @@ class Kernel:
         cute.arch.sync_threads()
         j = lane // 8
         r8 = lane % 8
-        # A = W_uk^T (rows: columns c of ql, k: d) by ldmatrix.trans of sW [d][c]: matrix j holds c + 8 (j % 2), d + 8 (j // 2)
+        # A = W_uk^T (rows: columns c of ql, k: d) by ldmatrix.trans of sW [d][c]: matrix j holds c + 8 (j % 2),
+        # d + 8 (j // 2)
         a_addr = sW.iterator.toint() + (8 * (j // 2) + r8) * (WKROW * 2) + 8 * (j % 2) * 2
         # B = q_nope^T (k: d, n: batch rows) by ldmatrix of sX [m][d]: matrix j holds d + 8 j (two k16 steps)
         b_addr = sX.iterator.toint() + r8 * (QNROW * 2) + 8 * j * 2

@@ -15,6 +15,7 @@ import torch
 
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
+from k3compile.templates.mla_decode import split_plan
 from template_checks import compile_examples, rel, rendered_constants
 
 T = get("mla_decode")
@@ -224,8 +225,8 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def _emulate(c: dict, x: dict, ref_latent: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    """Float64 emulation of the three kernels' schedule: the splits from the runtime lengths (same integer
-    formulas as ``Kernel.splits_of``), the absorbed query rounded to bf16, one online softmax per split in log2
+    """Float64 emulation of the three kernels' schedule: the splits from the runtime lengths (``split_plan``, the
+    integer formulas of ``Kernel.splits_of``), the absorbed query rounded to bf16, one online softmax per split in log2
     units over tiles of TILE positions (the current token's row from the latent; the tile's maximum first, then
     the probabilities rounded to bf16 and summed as rounded), the partials merged as ``combine_kernel`` does.
     ``exact``: no bf16 rounding of the query and the probabilities (the schedule alone)."""
@@ -235,11 +236,11 @@ def _emulate(c: dict, x: dict, ref_latent: torch.Tensor, exact: bool = False) ->
     q = x["q"].double().view(m, h, nope + r)
     out = torch.empty(m, h, vd, dtype=torch.float64)
     covered = []
+    plan = split_plan(c, x["lengths"])
     for i in range(m):
         length = max(0, min(int(x["lengths"][i]), c["LMAX"] - 1))
         n = length + 1
-        nact = min((n + c["CHUNK_MIN"] - 1) // c["CHUNK_MIN"], c["NSPLIT"])
-        chunk = (n + nact - 1) // nact
+        nact, chunk = plan[i]
         ql = rnd(torch.einsum("hd,hdc->hc", q[i, :, :nope], w[:, :nope]))
         qk = torch.cat([ql, q[i, :, nope:]], dim=1)  # [h, C + R]
         parts, seen = [], []
@@ -272,13 +273,74 @@ def _emulate(c: dict, x: dict, ref_latent: torch.Tensor, exact: bool = False) ->
 
 @pytest.mark.parametrize("splits, chunk_min", [(1, 256), (4, 8), (5, 3), (16, 1), (7, 40)])
 def test_split_schedule_emulation_matches_reference(splits, chunk_min):
-    c = _small("mini_b8", lmax=40, bucket=8, splits=splits, chunk_min=chunk_min)
+    """The per-row split rule (batch-invariant code) at split sizes below a tile."""
+    c = _small("mini_b8", lmax=40, bucket=8, splits=splits, chunk_min=chunk_min, balance=False)
     x = T.random_inputs(c, torch.Generator().manual_seed(splits))
     x["lengths"][2:5] = torch.tensor([1, 2, 33])  # tiny rows (empty splits) and an uneven split
     ref = T.reference(c, x)
     assert rel(_emulate(c, x, ref["latent"], exact=True), ref["out"]) < 1e-12  # the schedule is exact
     err = rel(_emulate(c, x, ref["latent"]), ref["out"])  # what the bf16 query and probabilities cost
     assert 1e-5 < err < T.tolerance(c)["out"] / 4, err
+
+
+@pytest.mark.parametrize("bucket, lmax, seed", [(8, 600, 0), (8, 5000, 1), (64, 400, 2)])
+def test_balanced_split_schedule_emulation_matches_reference(bucket, lmax, seed):
+    """The balanced splits (the default): one tile per split while the batch's tiles fit one wave (600), several
+    tiles per split beyond it (5000: tp > 1), every row at batch 64; the schedule exact, the rounding within
+    tolerance."""
+    c = _small("mini_b8", lmax=lmax, bucket=bucket)
+    assert c["BALANCE"]
+    x = T.random_inputs(c, torch.Generator().manual_seed(seed))
+    plan = split_plan(c, x["lengths"])
+    assert max(nact for nact, _ in plan) > 1
+    if lmax == 5000:
+        assert plan[0][1] > c["TILE"]  # several tiles per split
+    ref = T.reference(c, x)
+    assert rel(_emulate(c, x, ref["latent"], exact=True), ref["out"]) < 1e-12
+    assert rel(_emulate(c, x, ref["latent"]), ref["out"]) < T.tolerance(c)["out"] / 4
+
+
+def _plan_of(label: str, lengths, **kw):
+    c = T.point(**{**EXAMPLES[label], **kw}).c
+    return c, split_plan(c, torch.tensor(lengths))
+
+
+def test_split_plan_balances_the_batch_over_one_wave():
+    """Batch 64 at context 1k (1,025 positions, 17 tiles): 2 splits of 9 tiles per row, 128 CTAs in one wave, where
+    the per-row rule gave 5 splits of 4 tiles (320 CTAs, three rounds); at 32k 2 splits of 251 tiles; batch 8 at 1k
+    9 splits of 2 tiles; batch 1 at 1k 17 splits of at most a tile (the per-row rule); a long row among short ones
+    takes the SMs they leave, at most NSPLIT splits."""
+    c, plan = _plan_of("k3tp8_b64", [1024] * 64, lmax=32768)
+    assert set(plan) == {(2, 9 * 64)}
+    c0 = {**c, "BALANCE": False}
+    assert set(split_plan(c0, [1024] * 64)) == {(5, 205)}
+    assert set(_plan_of("k3tp8_b64", [32000] * 64, lmax=32768)[1]) == {(2, 251 * 64)}
+    assert set(_plan_of("k3tp8_b8", [1024] * 8)[1]) == {(9, 128)}
+    assert _plan_of("k3tp8_b1", [1024])[1] == [(17, 61)]  # one row: its own rule (batch-invariant code's)
+    c8, plan = _plan_of("k3tp8_b8", [32000] + [100] * 7)
+    assert plan[0] == (63, 8 * 64) and plan[1] == (1, 512)  # capped at NSPLIT = 66 splits: 8 tiles each
+    assert c8["NSPLIT"] == 66
+
+
+@pytest.mark.parametrize("bucket", [2, 8, 64])
+def test_split_plan_is_the_smallest_split_that_fits_one_wave(bucket):
+    """Random batches: tp (tiles per split) is the smallest at least the floor (CHUNK_MIN, NSPLIT) whose splits fit
+    SMS CTAs; every row's splits cover its positions, at most NSPLIT of them."""
+    gen = torch.Generator().manual_seed(bucket)
+    c = T.point(**{**EXAMPLES["k3tp8_b8"], "bucket": bucket, "lmax": 32768}).c
+    tile = c["TILE"]
+    for _ in range(50):
+        top = int(torch.randint(1, 32768, (1,), generator=gen))
+        lengths = torch.randint(0, top, (bucket,), generator=gen)
+        plan = split_plan(c, lengths)
+        tiles = [(int(n) + tile) // tile for n in lengths]
+        tp = plan[0][1] // tile
+        floor = max(-(-c["CHUNK_MIN"] // tile), -(-max(tiles) // c["NSPLIT"]))
+        ctas = lambda t: sum(-(-x // t) for x in tiles)  # noqa: E731
+        assert tp >= floor and ctas(tp) <= c["SMS"], (tp, floor)
+        assert tp == floor or ctas(tp - 1) > c["SMS"]
+        for (nact, chunk), n in zip(plan, lengths):
+            assert chunk == tp * tile and nact <= c["NSPLIT"] and (nact - 1) * chunk < int(n) + 1 <= nact * chunk
 
 
 def test_splits_shorter_and_longer_than_a_tile():
@@ -315,7 +377,7 @@ def test_combine_split_is_the_most_the_shapes_allow():
     assert T.point(**{**EXAMPLES["mini_h1_b1"], "v": 96}).c["COMBINE_SPLIT"] == 2  # 3 CTAs would not divide C
     assert T.point(**{**EXAMPLES["mini_h1_b1"], "kv_lora": 256}).c["COMBINE_SPLIT"] == 2
     c2r1 = T.point(**EXAMPLES["mini_b4_c2r1"]).c
-    assert c2r1["COMBINE_SPLIT"] == 2 and c2r1["RB"] == 1
+    assert c2r1["COMBINE_SPLIT"] == 2 and c2r1["RB"] == 1 and not c2r1["BALANCE"]
 
 
 def test_default_combine_rows():
