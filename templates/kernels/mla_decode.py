@@ -24,11 +24,14 @@ other access but weights. No race with the attention kernel: it reads only cache
 current token's row it takes from ``latent``), and nothing before its PDL wait, which returns once this kernel's
 writes are visible.
 
-Kernel 2 (``kernel``, grid (NSPLIT, M), 8 warps): flash-decoding split over the context, on the tensor cores.
-Row m has n = lengths[m] + 1 valid positions (read on device). With BALANCE (and M > 1) its splits are runs of tp whole
-TILE-row tiles, ``nact = ceil(n / (tp TILE))`` of them, tp the same for every row: the smallest number of tiles
-(at least CHUNK_MIN positions, at most NSPLIT splits per row) whose splits over the whole batch fit one wave of SMS
-CTAs, computed by every warp from all M lengths (``tiles_per_split``; mirrored by the template's ``split_plan``).
+Kernel 2 (``kernel``, 8 warps): flash-decoding split over the context, on the tensor cores; grid (SMS): CTA i takes
+the i-th (row, split) item of the batch's plan (BALANCED, ``item_of``), else grid (NSPLIT, M): CTA (split, row).
+Row m has n = lengths[m] + 1 valid positions (read on device). BALANCED (BALANCE and M > 1): its splits are runs
+of tp whole TILE-row tiles, ``nact = ceil(n / (tp TILE))`` of them, tp the same for every row: the smallest number of
+tiles (at least CHUNK_MIN positions, at most NSPLIT splits per row) whose splits over the whole batch fit one wave of
+SMS CTAs, computed by every warp from all M lengths (``tiles_per_split``; mirrored by the template's
+``split_plan``). A grid of NSPLIT x M CTAs, most of them idle, queued the idle ones behind long active ones: every
+CTA holds an SM's shared memory until its PDL wait returns.
 Otherwise (one row; batch-invariant code, where a row's splits depend only on its own length) ``nact = min(NSPLIT,
 ceil(n / CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions. CTAs with a split index >= nact do nothing. An
 active CTA:
@@ -146,7 +149,9 @@ COMBINE_THREADS = 32 * COMBINE_WARPS
 CS = C // COMBINE_SPLIT  # combine kernel: columns of ol one CTA merges (cluster rank r: r * CS ..)
 OCH = CS // 128  # combine kernel: 4-element chunks of ol per lane and split
 MERGE_UNROLL = min(8, 16 // OCH)  # combine kernel: splits of a warp in flight in the merge
+BALANCED = BALANCE and M > 1  # splits from the whole batch (one row keeps its own rule)
 TPMIN = (CHUNK_MIN + TILE - 1) // TILE  # BALANCE: fewest tiles per split
+ATT_GRID = (SMS, 1, 1) if BALANCED else (NSPLIT, M, 1)  # attention CTAs: one wave of (row, split) items, or a grid
 SEARCH_STEPS = (LMAX // TILE + 1).bit_length()  # BALANCE: bisection steps over tiles per split
 SPL = min(8, (NSPLIT + 31) // 32)  # combine kernel: splits' statistics per lane loaded at once
 VPC = V // COMBINE_SPLIT  # combine kernel: outputs per CTA in the sum over the cluster
@@ -199,7 +204,7 @@ class Kernel:
             grid=(H, C // ACB, 1), block=(ABS_THREADS, 1, 1), stream=stream, use_pdl=True)
         self.kernel(cute.recast_tensor(mQ, Uint32), cute.recast_tensor(mCache, Uint32), mLengths,
                     cute.recast_tensor(mLatent, Uint32), cute.recast_tensor(mWsQ, Uint32), mWsOl, mWsMl).launch(
-            grid=(NSPLIT, M, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1,
+            grid=ATT_GRID, block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
         self.combine_kernel(mGate, mLengths, mKvB, mOut, mWsOl, mWsMl).launch(
             grid=(COMBINE_SPLIT, H, M // RB), block=(COMBINE_THREADS, 1, 1),
@@ -243,15 +248,47 @@ class Kernel:
         return hi
 
     @cute.jit
+    def item_of(self, mLengths: cute.Tensor, tp, item):
+        """BALANCED: (row, split) of the attention kernel's CTA ``item``, the items numbered row after row (row m has
+        ceil(tiles_m / tp) of them): an inclusive warp scan of the rows' split counts (lane l: rows l and l + 32),
+        the row is the number of rows whose splits all come before ``item`` (two ballots). Past the batch's last item
+        (the grid has SMS CTAs) the row is M - 1 and the split NSPLIT: no split of any row."""
+        lane = cute.arch.lane_idx()
+        a0 = (self.tiles_of(mLengths, lane) + tp - 1) // tp
+        a1 = (self.tiles_of(mLengths, lane + 32) + tp - 1) // tp
+        s0 = a0
+        s1 = a1
+        for k in cutlass.range_constexpr(5):
+            v0 = cute.arch.shuffle_sync_up(s0, offset=1 << k)
+            v1 = cute.arch.shuffle_sync_up(s1, offset=1 << k)
+            s0 = cutlass.select_(lane >= (1 << k), s0 + v0, s0)
+            s1 = cutlass.select_(lane >= (1 << k), s1 + v1, s1)
+        s1 = s1 + cute.arch.shuffle_sync(s0, 31)  # rows 32 .. after rows 0 .. 31
+        done = (cute.arch.popc(cute.arch.vote_ballot_sync(s0 <= item))
+                + cute.arch.popc(cute.arch.vote_ballot_sync(s1 <= item)))  # rows whose items all precede item
+        row = cutlass.min(done, Int32(M - 1))
+        first = cute.arch.shuffle_sync(cutlass.select_(row < 32, s0 - a0, s1 - a1), row % 32)  # row's first item
+        split = cutlass.select_(done < M, item - first, Int32(NSPLIT))
+        return row, split
+
+    @cute.jit
     def splits_of(self, mLengths: cute.Tensor, row):
         """(clamped length, valid positions n, active splits, positions per split) of one row. Every thread of the
-        CTA calls it (BALANCE: warp shuffles)."""
+        CTA calls it (BALANCED: warp shuffles)."""
+        tp = Int32(0)
+        if cutlass.const_expr(BALANCED):
+            tp = self.tiles_per_split(mLengths)
+        return self.splits_with(mLengths, row, tp)
+
+    @cute.jit
+    def splits_with(self, mLengths: cute.Tensor, row, tp):
+        """``splits_of`` given BALANCED's tiles per split ``tp`` (unused otherwise)."""
         length = self.length_of(mLengths, row)
         n = length + 1
         nact = Int32(0)
         chunk = Int32(0)
-        if cutlass.const_expr(BALANCE and M > 1):
-            chunk = self.tiles_per_split(mLengths) * TILE
+        if cutlass.const_expr(BALANCED):
+            chunk = tp * TILE
             nact = (n + chunk - 1) // chunk
         else:
             nact = cutlass.min((n + (CHUNK_MIN - 1)) // CHUNK_MIN, Int32(NSPLIT))
@@ -438,7 +475,12 @@ class Kernel:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
-        length, n, nact, chunk = self.splits_of(mLengths, row)
+        if cutlass.const_expr(BALANCED):  # this CTA's (row, split) from the batch's plan
+            tp = self.tiles_per_split(mLengths)
+            row, split = self.item_of(mLengths, tp, split)
+            length, n, nact, chunk = self.splits_with(mLengths, row, tp)
+        else:
+            length, n, nact, chunk = self.splits_of(mLengths, row)
         start = split * chunk
         end = cutlass.min(start + chunk, n)
         if split < nact:
