@@ -296,11 +296,6 @@ class Kernel:
         return length, n, nact, chunk
 
     # --------------------------------------------------------- kernel 1: absorbed query, latent row
-    @cute.kernel
-    def absorb_kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
-                      mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsQ: cute.Tensor):
-        self.absorb_mma(mQ, mKv, mKvNormW, mCache, mLengths, mKvB, mLatent, mWsQ)
-
     @cute.jit
     def latent_row(self, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor, mLengths: cute.Tensor,
                    mLatent: cute.Tensor, sNorm: cute.Tensor, row, tid, lane, warp):
@@ -334,9 +329,9 @@ class Kernel:
             cute.autovec_copy(rX, cute.local_tile(mLatent[row, None], (VEC,), (NORM_THREADS + r8,)))
             cute.autovec_copy(rX, cute.local_tile(gRow, (VEC,), (NORM_THREADS + r8,)))
 
-    @cute.jit
-    def absorb_mma(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
-                   mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsQ: cute.Tensor):
+    @cute.kernel
+    def absorb_kernel(self, mQ: cute.Tensor, mKv: cute.Tensor, mKvNormW: cute.Tensor, mCache: cute.Tensor,
+                      mLengths: cute.Tensor, mKvB: cute.Tensor, mLatent: cute.Tensor, mWsQ: cute.Tensor):
         """CTA (head, cb) computes ql[:, head, cb ACB .. (cb + 1) ACB] for every row as
         ql^T = W_uk[head]^T q_nope^T on the tensor cores (W_uk^T's columns as the MMA rows, the batch rows as its 8-wide
         N tiles, NOPE as K), so each W_uk column is read once per step, not once per row. W_uk's [NOPE, ACB] slice is
