@@ -11,8 +11,9 @@ scale)``: the current token attends to cache positions ``0 .. lengths[m]-1`` plu
 This template is **three kernels** launched back to back by one ``Kernel.__call__``: an absorb kernel (grid H x C /
 32: the absorbed query ``q_nope @ W_uk`` of every row for one head and 32 of its columns, on the tensor cores, rounded
 to bf16 into the scratch ``ws_q``, and the latent rows, to ``latent`` and the cache), a split-context attention
-kernel on the tensor cores (grid NSPLIT x M, splits sized from the batch's lengths by ``split_plan``, all local
-heads of a token in one CTA as the MMA rows, so each cache row is read once per token) writing partial (max, sum,
+kernel on the tensor cores (from batch 2 a grid of SMS CTAs, each taking one (row, split) of the batch's plan,
+``split_plan``; at batch 1 and in batch-invariant code a grid NSPLIT x M; all local heads of a token in one CTA as
+the MMA rows, so each cache row is read once per token) writing partial (max, sum,
 ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x M / RB: ``default_combine_rows`` rows
 per CTA unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of CTAs per head (four at K3), each
 merging a share of the partials' columns) that merges the partials and applies W_uv and the sigmoid output gate. The
