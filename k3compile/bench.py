@@ -573,6 +573,16 @@ KERNEL_NAME = re.compile(MODULE_PREFIX + r"([a-z][a-z0-9_]*?)_([0-9a-f]{10})")
 OUR_KERNEL = re.compile(r"[a-z][a-z0-9_]*_[0-9a-f]{10}")  # kernel_id of one of our kernels
 
 
+ENTRY_NAME = re.compile(r"kernel_cutlass_([a-z][a-z0-9_]*?)_" + MODULE_PREFIX)  # the PTX entry of a profiled kernel
+
+
+def kernel_entry(name: str) -> str:
+    """The PTX entry (``@cute.kernel`` method) a profiler kernel name comes from (``kernel``, ``combine_kernel``,
+    ``kernel_mma``, ...), or "" for a kernel that is not ours."""
+    m = ENTRY_NAME.search(name)
+    return m[1] if m else ""
+
+
 def kernel_id(name: str) -> str:
     """A profiler kernel name as its package kernel name (template and source hash, ``gemv_ea74823ffa``: the
     key of the package's ``manifest.json``), or the first 60 characters of a kernel that is not ours."""
@@ -587,7 +597,8 @@ def layer_kernels(rows: list[Row], layer: int, context: int, bucket: int, system
     first; the exposed µs add up to the layer's GPU busy time but for the kernels left out (those whose calls do
     not change and whose exposed time moves by less than 0.05 µs). With the package's ``manifest`` (a dict) each
     of our kernels also gets its constants (``point``: M, N, K where it has them), the bytes its calls in the
-    layer move and their floor at ``bandwidth`` (bytes / s)."""
+    layer move and their floor at ``bandwidth`` (bytes / s). A template of several PTX entries also gets
+    ``entries``, the same three figures per entry (the MLA decode's absorb, attention and combine kernels)."""
     by = {(r.layers, r.context, r.bucket, r.system): r for r in rows if r.kernels}
     cur, prev = by.get((layer, context, bucket, system)), by.get((layer - 1, context, bucket, system))
     if cur is None or prev is None:
@@ -596,17 +607,25 @@ def layer_kernels(rows: list[Row], layer: int, context: int, bucket: int, system
                          f"{layer - 1} and {layer} layers (this JSON has {have}); run `k3compile bench --layers "
                          f"{layer - 1},{layer}`")
     acc: dict = {}
+    parts: dict = {}  # kernel id -> PTX entry -> the same three sums
     for sign, r in ((1.0, cur), (-1.0, prev)):
         for k in r.kernels:
-            e = acc.setdefault(kernel_id(k["name"]), {"exposed_us": 0.0, "us": 0.0, "calls": 0.0})
+            kid = kernel_id(k["name"])
+            e = acc.setdefault(kid, {"exposed_us": 0.0, "us": 0.0, "calls": 0.0})
+            p = parts.setdefault(kid, {}).setdefault(kernel_entry(k["name"]), {"exposed_us": 0.0, "us": 0.0,
+                                                                               "calls": 0.0})
             for f in e:
                 e[f] += sign * k[f]
+                p[f] += sign * k[f]
     kernels = manifest.get("kernels", {}) if manifest else {}
     out = []
     for name, e in acc.items():
         if abs(e["calls"]) < 1e-9 and abs(e["exposed_us"]) < 0.05:
             continue
         row = {"kernel": name, **e}
+        if len(parts[name]) > 1:  # a template of several PTX entries (the MLA decode's absorb, attention, combine)
+            row["entries"] = sorted(({"entry": n, **v} for n, v in parts[name].items()),
+                                    key=lambda v: -v["exposed_us"])
         k = kernels.get(name)
         if k is not None:
             c = k.get("constants", {})
@@ -643,6 +662,8 @@ def layer_kernels_table(result: dict, manifest: dict | None = None) -> str:
                 extra += f"  floor {k['floor_us']:7.1f} us  x{k['exposed_us'] / k['floor_us']:5.2f}"
             line = f"  {k['exposed_us']:8.1f} {k['us']:8.1f}  x{k['calls']:<3g} {k['kernel']:<44}{extra}"
             lines.append(line.rstrip())
+            for v in k.get("entries", ()):
+                lines.append(f"  {v['exposed_us']:8.1f} {v['us']:8.1f}  x{v['calls']:<3g}   {v['entry']}")
             if manifest is not None and OUR_KERNEL.fullmatch(k["kernel"]) and k["kernel"] not in manifest.get(
                     "kernels", {}):
                 missing.add(k["kernel"])

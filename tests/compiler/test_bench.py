@@ -156,6 +156,11 @@ def test_layer_kernels_split_the_layers_busy_time_by_kernel(tmp_path, capsys):
     assert front["floor_us"] == pytest.approx(52_322_304 / res["bandwidth"] * 1e6)
     mla = by["mla_decode_53dd4a4932"]
     assert mla["calls"] == 3 and "bytes" not in mla and "floor_us" not in mla
+    # ... and its three PTX entries each on a line of their own, adding up to it
+    assert sorted(v["entry"] for v in mla["entries"]) == ["absorb_kernel", "combine_kernel", "kernel"]
+    assert all(v["calls"] == 1 for v in mla["entries"])
+    assert sum(v["exposed_us"] for v in mla["entries"]) == pytest.approx(mla["exposed_us"])
+    assert "entries" not in front  # one entry: no breakdown
     assert "moe_gate_up_5f27ca91aa" in by and "point" not in by["moe_gate_up_5f27ca91aa"]  # not in the manifest
     with pytest.raises(ValueError, match="needs profiled rows of 4 and 5 layers"):
         bench.layer_kernels(rows, 5, 1024, 1, "k3compile")
@@ -166,6 +171,7 @@ def test_layer_kernels_split_the_layers_busy_time_by_kernel(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "layer 4 ctx 32000 b64 k3compile-one-stream: GPU busy" in out
     assert any("gemv_ea74823ffa" in ln and "M=1 N=3648 K=7168" in ln and "floor" in ln for ln in out.splitlines())
+    assert any(ln.split()[-1:] == ["combine_kernel"] for ln in out.splitlines())
     # our kernels the manifest lacks are named under the table, torch's are not
     (note,) = [ln for ln in out.splitlines() if ln.startswith("not in the package's manifest")]
     assert "moe_gate_up_5f27ca91aa" in note and "gemv_ea74823ffa" not in note and "elementwise" not in note
