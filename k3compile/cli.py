@@ -22,6 +22,8 @@ def _note_bucket(bucket: int) -> None:
     nothing would run it: say so, and which bucket the runtime would pad that batch to."""
     from .compiler import DEFAULT_BUCKETS, bucket_for
 
+    if bucket < 1:
+        raise ValueError(f"--bucket {bucket}: a bucket is a positive batch size, one of {DEFAULT_BUCKETS}")
     if bucket not in DEFAULT_BUCKETS:
         pad = bucket_for(bucket, DEFAULT_BUCKETS)
         to = f"a batch of {bucket} runs padded to bucket {pad}: use --bucket {pad}" if pad else (
@@ -293,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, KeyError, TypeError, BuildError, PackageError) as e:  # one clear line, no traceback
+    except (ValueError, KeyError, TypeError, OSError, BuildError, PackageError) as e:  # one clear line, no traceback
         print(f"k3compile {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -517,6 +517,10 @@ def plans_for(config, *, tp: int, buckets, context: int = 0, every_layer: bool =
     ``max_context`` is the captured cache capacity (codegen bakes it into the MLA kernels)."""
     check_tp(tp)
     config.check_tp(tp)
+    if not 0 <= context < config.max_position_embeddings:
+        raise ValueError(f"context {context} must be in 0..{config.max_position_embeddings - 1}: the tokens already "
+                         f"in each sequence, with room for the one being decoded ({config.name}'s "
+                         f"max_position_embeddings is {config.max_position_embeddings})")
     rep, note = (config, "") if every_layer else representative(config)
     cap = capture_config(rep, tp_size=tp, max_context=max_context)
     out = {}

@@ -76,6 +76,22 @@ def test_bad_input_errors():
     assert r.returncode == 2 and "no pass named 'no_such_pass'" in r.stderr
 
 
+def test_plan_and_bench_plot_bad_input_errors(tmp_path, capsys):
+    """A bucket below 1, a context outside the config's positions and a missing JSON are one clear line each."""
+    cases = [
+        (["plan", "--bucket", "0"], "--bucket 0: a bucket is a positive batch size"),
+        (["plan", "--context", "-5"], "context -5 must be in 0..8191"),
+        (["plan", "--context", "8192"], "context 8192 must be in 0..8191"),
+        (["bench-plot", str(tmp_path / "none.json"), str(tmp_path / "p.png")], "No such file or directory"),
+    ]
+    for argv, msg in cases:
+        if argv[0] == "plan":
+            argv = [*argv, "--config", "k3_mini", "--tp", "1"]
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and msg in err and "Traceback" not in err, (argv, err)
+
+
 def test_codegen_sources_only(tmp_path, capsys):
     import json
 
