@@ -13,7 +13,8 @@ This template is **three kernels** launched back to back by one ``Kernel.__call_
 to bf16 into the scratch ``ws_q``, and the latent rows, to ``latent`` and the cache), a split-context attention
 kernel on the tensor cores (from batch 2 a grid of SMS CTAs, each taking one (row, split) of the batch's plan,
 ``split_plan``; at batch 1 and in batch-invariant code a grid NSPLIT x M; all local heads of a token in one CTA as
-the MMA rows, so each cache row is read once per token) writing partial (max, sum,
+the MMA rows, so each cache row is read once per token; above 32 local heads, K3 at TP 2 and 1, those grids once per
+group of at most 32 heads, ``head_groups``, each group reading the cache again) writing partial (max, sum,
 ol) to the scratch workspace, and a combine kernel (grid COMBINE_SPLIT x H x M / RB: ``default_combine_rows`` rows
 per CTA unless the point sets ``combine_rows`` (1, 2, 4 or 8); a cluster of CTAs per head (four at K3), each
 merging a share of the partials' columns) that merges the partials and applies W_uv and the sigmoid output gate. The
@@ -38,17 +39,26 @@ import torch
 from .base import Arg, Template, const, need, need_bucket
 
 SMS = 132  # H200 SMs
-MAX_HEADS = 32  # two 16-row MMA tiles of heads
+MAX_HEADS = 128  # local heads (K3 at TP 1 has 96)
+HEADS_PER_CTA = 32  # the attention kernel's heads per CTA (two 16-row MMA tiles); more heads: groups of CTAs
 TILE = 64  # cache rows per shared-memory tile (8 per warp of the attention kernel)
 SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may take on the H200
 CHUNK_MIN = 256  # default fewest positions per split from batch 16 (four tiles; one tile up to batch 8)
 WAVES = 4  # the default split count gives at least this many whole waves of attention CTAs at full context
 
 
+def head_groups(heads: int) -> tuple[int, int]:
+    """(groups, heads per group) of the attention kernel: up to HEADS_PER_CTA heads share a CTA (each cache row read
+    once for all of them); more are split into equal groups, a grid dimension, each group reading the cache
+    again (K3 at TP 2: 2 x 24 heads, at TP 1: 3 x 32)."""
+    groups = -(-heads // HEADS_PER_CTA)
+    return groups, -(-heads // groups)
+
+
 def attention_smem(heads: int, row: int) -> int:
-    """Shared memory of the attention kernel: two TILE-row tiles and the query (bf16 rows padded by 16 bytes),
-    the fp32 scores of a tile (rows padded by 8)."""
-    hp = 16 * -(-heads // 16)
+    """Shared memory of the attention kernel: two TILE-row tiles and the query of one head group (bf16 rows padded
+    by 16 bytes), the fp32 scores of a tile (rows padded by 8)."""
+    hp = 16 * -(-head_groups(heads)[1] // 16)
     return 2 * TILE * (row + 8) * 2 + hp * (row + 8) * 2 + hp * (TILE + 8) * 4
 
 
@@ -159,8 +169,8 @@ class MlaDecode(Template):
         p = "mla_decode"
         need_bucket(p, bucket)
         need(isinstance(heads, int) and 1 <= heads <= MAX_HEADS,
-             f"{p}: heads={heads} must be in 1..{MAX_HEADS} (the local heads are the rows of at most two 16-row "
-             f"MMA tiles): shard the heads over more ranks (a larger TP size)")
+             f"{p}: heads={heads} must be in 1..{MAX_HEADS} (local heads; the attention kernel takes them "
+             f"{HEADS_PER_CTA} at a time): shard the heads over more ranks (a larger TP size)")
         need(isinstance(kv_lora, int) and 0 < kv_lora <= 2048 and kv_lora % 256 == 0,
              f"{p}: kv_lora={kv_lora} must be a multiple of 256 up to 2048 (8-element chunks over the 8 warps' "
              f"output columns and the absorb kernel's 256 threads); K3 uses 512")
@@ -206,7 +216,7 @@ class MlaDecode(Template):
              f"rows (two {TILE}-row tiles, the query, the scores) > {SMEM_BUDGET}; use fewer local heads or a "
              f"smaller kv_lora_rank")
         return [const("M", bucket, "rows (the batch bucket)"),
-                const("H", heads, "local heads (16-row MMA tiles, padded)"),
+                const("H", heads, "local heads (at most 32 per attention CTA: 16-row MMA tiles, padded)"),
                 const("NOPE", nope, "qk_nope_head_dim"),
                 const("R", rope, "qk_rope_head_dim (k_pe width, unrotated)"),
                 const("V", v, "v_head_dim"),
@@ -236,6 +246,9 @@ class MlaDecode(Template):
         # a two-CTA cluster, one row per combine CTA and per-row splits at a batch of several rows (codegen
         # --batch-invariant's kind)
         ex["mini_b4_c2r1"] = dict(bucket=4, heads=8, lmax=4096, combine=2, combine_rows=1, balance=False, **common)
+        # more than 32 local heads (K3 at TP 2 and 1): the attention kernel in head groups, balanced and per-row splits
+        ex["k3tp2_b8"] = dict(bucket=8, heads=48, lmax=4096, **common)
+        ex["k3tp1_b1"] = dict(bucket=1, heads=96, lmax=4096, **common)
         for rb in (2, 4):  # fewer rows per combine CTA at batch 64 than the default 8
             ex[f"k3tp8_b64_r{rb}"] = dict(bucket=64, heads=12, lmax=16384, combine_rows=rb, **common)
         return ex

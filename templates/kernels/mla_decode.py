@@ -24,8 +24,11 @@ other access but weights. No race with the attention kernel: it reads only cache
 current token's row it takes from ``latent``), and nothing before its PDL wait, which returns once this kernel's
 writes are visible.
 
-Kernel 2 (``kernel``, 8 warps): flash-decoding split over the context, on the tensor cores; grid (SMS): CTA i takes
-the i-th (row, split) item of the batch's plan (BALANCED, ``item_of``), else grid (NSPLIT, M): CTA (split, row).
+Kernel 2 (``kernel``, 8 warps): flash-decoding split over the context, on the tensor cores; grid (SMS, HGN): CTA i takes
+the i-th (row, split) item of the batch's plan (BALANCED, ``item_of``), else grid (NSPLIT, M, HGN): CTA (split, row).
+The last grid dimension is the head group: up to 32 local heads (HGN = 1) every CTA computes all of them; above
+that (K3 at TP 2 and 1) HGN groups of HG heads each (``head_ok`` masks the padding), every group reading the cache
+rows again; each head's arithmetic is the same either way.
 Row m has n = lengths[m] + 1 valid positions (read on device). BALANCED (BALANCE and M > 1): its splits are runs
 of tp whole TILE-row tiles, ``nact = ceil(n / (tp TILE))`` of them, tp the same for every row: the smallest number of
 tiles (at least CHUNK_MIN positions, at most NSPLIT splits per row) whose splits over the whole batch fit one wave of
@@ -124,8 +127,11 @@ QH = NOPE + R  # q elements per head
 KVH = NOPE + V  # kv_b_weight rows per head (W_uk rows then W_uv rows)
 WARPS = 8  # attention kernel: warp w owns positions 8w..8w+7 of a tile (QK^T) and C/8 output columns (PV)
 THREADS = 32 * WARPS
-HT = (H + 15) // 16  # 16-head MMA tiles
-HP = 16 * HT  # heads padded to whole tiles
+HEADS_PER_CTA = 32  # attention kernel: at most two 16-row MMA tiles of heads per CTA
+HGN = (H + HEADS_PER_CTA - 1) // HEADS_PER_CTA  # attention kernel: head groups (a grid dimension; 1 up to 32 heads)
+HG = (H + HGN - 1) // HGN  # attention kernel: heads per group (the last group may hold fewer)
+HT = (HG + 15) // 16  # 16-head MMA tiles of a group
+HP = 16 * HT  # a group's heads padded to whole tiles
 SROW = ROW + 8  # bf16 stride of a shared-memory row (16 bytes of padding: conflict-free ldmatrix)
 SROWQ = SROW // 2  # the same in 32-bit words
 SSROW = TILE + 8  # fp32 stride of a score row
@@ -151,7 +157,8 @@ OCH = CS // 128  # combine kernel: 4-element chunks of ol per lane and split
 MERGE_UNROLL = min(8, 16 // OCH)  # combine kernel: splits of a warp in flight in the merge
 BALANCED = BALANCE and M > 1  # splits from the whole batch (one row keeps its own rule)
 TPMIN = (CHUNK_MIN + TILE - 1) // TILE  # BALANCE: fewest tiles per split
-ATT_GRID = (SMS, 1, 1) if BALANCED else (NSPLIT, M, 1)  # attention CTAs: one wave of (row, split) items, or a grid
+ATT_GRID = (SMS, HGN, 1) if BALANCED else (NSPLIT, M, HGN)  # attention CTAs: one wave of (row, split) items per
+# head group, or a grid
 SEARCH_STEPS = (LMAX // TILE + 1).bit_length()  # BALANCE: bisection steps over tiles per split
 SPL = min(8, (NSPLIT + 31) // 32)  # combine kernel: splits' statistics per lane loaded at once
 VPC = V // COMBINE_SPLIT  # combine kernel: outputs per CTA in the sum over the cluster
@@ -294,6 +301,15 @@ class Kernel:
             nact = cutlass.min((n + (CHUNK_MIN - 1)) // CHUNK_MIN, Int32(NSPLIT))
             chunk = (n + nact - 1) // nact
         return length, n, nact, chunk
+
+    @cute.jit
+    def head_ok(self, h, h0):
+        """Whether MMA row h of an attention CTA whose group starts at head h0 is a real head (not padding, not past
+        the last head in the last group)."""
+        ok = h < H
+        if cutlass.const_expr(HGN > 1):
+            ok = (h < HG) & (h0 + h < H)
+        return ok
 
     # --------------------------------------------------------- kernel 1: absorbed query, latent row
     @cute.jit
@@ -456,6 +472,9 @@ class Kernel:
         warp = cute.arch.warp_idx()
         split = cute.arch.block_idx()[0]
         row = cute.arch.block_idx()[1]
+        h0 = 0  # the CTA's first head (head groups: HGN > 1, more than 32 local heads)
+        if cutlass.const_expr(HGN > 1):
+            h0 = HG * cute.arch.block_idx()[1 if BALANCED else 2]
         g = lane // 4  # MMA fragment row (and row + 8)
         t = lane % 4  # MMA fragment column pair
         smem = cutlass.utils.SmemAllocator()
@@ -484,12 +503,12 @@ class Kernel:
                 h = idx // RCH
                 ch = idx - h * RCH
                 dst = cute.local_tile(sQ[h, None], (4,), (ch,))
-                if h < H:
+                if self.head_ok(h, h0):
                     if ch < C // VEC:
-                        cute.copy(big, cute.local_tile(mWsQq[row, h, None], (4,), (ch,)), dst)
+                        cute.copy(big, cute.local_tile(mWsQq[row, h0 + h, None], (4,), (ch,)), dst)
                     else:
-                        cute.copy(big, cute.local_tile(mQq[row, None], (4,), ((h * QH + NOPE) // VEC + ch - C // VEC,)),
-                                  dst)
+                        cute.copy(big, cute.local_tile(mQq[row, None], (4,), (((h0 + h) * QH + NOPE) // VEC + ch
+                                                                               - C // VEC,)), dst)
                 else:
                     cute.autovec_copy(rZero, dst)
             ntiles = (end - start + (TILE - 1)) // TILE
@@ -587,14 +606,14 @@ class Kernel:
             for ht in cutlass.range_constexpr(HT):
                 for hh in cutlass.range_constexpr(2):
                     h = ht * 16 + g + 8 * hh
-                    if h < H:
+                    if self.head_ok(h, h0):
                         for nt in cutlass.range_constexpr(CPW // 8):
                             col = warp * CPW + nt * 8 + 2 * t
                             for e in cutlass.range_constexpr(2):
-                                mWsOl[row, split, h, col + e] = acc[ht, nt, 2 * hh + e]
+                                mWsOl[row, split, h0 + h, col + e] = acc[ht, nt, 2 * hh + e]
                         if warp == 0 and t == 0:
-                            mWsMl[row, split, h, 0] = m_run[ht, hh]
-                            mWsMl[row, split, h, 1] = l_run[ht, hh]
+                            mWsMl[row, split, h0 + h, 0] = m_run[ht, hh]
+                            mWsMl[row, split, h0 + h, 1] = l_run[ht, hh]
 
     # ------------------------------------------------------- kernel 3: combine, W_uv, output gate
     @cute.kernel

@@ -15,6 +15,7 @@ import torch
 
 from k3compile import dialect
 from k3compile.templates import TemplateError, get
+from k3compile.templates import mla_decode as md
 from k3compile.templates.mla_decode import split_plan
 from template_checks import compile_examples, rel, rendered_constants
 
@@ -54,7 +55,23 @@ def test_examples_present_and_sized():
 def test_render_deterministic(label):
     env = rendered_constants(T, EXAMPLES[label])
     assert env["THREADS"] == 256 and env["TILE"] == 8 * env["WARPS"]  # a warp's 8 positions per tile
-    assert env["HP"] == 16 * -(-env["H"] // 16) and env["HP"] >= env["H"]  # heads padded to MMA tiles
+    # the heads in groups of at most 32 (one group up to 32), each padded to whole 16-row MMA tiles
+    groups, per = md.head_groups(env["H"])
+    assert (env["HGN"], env["HG"]) == (groups, per) and per <= md.HEADS_PER_CTA and groups * per >= env["H"]
+    assert (groups - 1) * per < env["H"]  # no empty group
+    assert env["HP"] == 16 * -(-per // 16) and env["HP"] >= per
+    assert env["ATT_GRID"][1 if env["BALANCED"] else 2] == groups
+
+
+def test_head_groups():
+    """Up to 32 local heads one attention CTA takes them all (K3 at TP 4, 8, 16; k3-mini); above, equal groups of at
+    most 32 (K3 at TP 2: 2 x 24, TP 1: 3 x 32); past MAX_HEADS a clear error that names the fix."""
+    assert [md.head_groups(h) for h in (1, 12, 24, 32, 33, 48, 96)] == [
+        (1, 1), (1, 12), (1, 24), (1, 32), (2, 17), (2, 24), (3, 32)]
+    assert md.attention_smem(96, 576) == md.attention_smem(32, 576) <= md.SMEM_BUDGET
+    assert T.point(**EXAMPLES["k3tp1_b1"]).c["H"] == 96 and T.point(**EXAMPLES["k3tp2_b8"]).c["H"] == 48
+    with pytest.raises(TemplateError, match="a larger TP size"):
+        T.point(**{**EXAMPLES["k3tp1_b1"], "heads": md.MAX_HEADS + 1})
 
 
 def test_render_differs_per_point():
@@ -80,7 +97,7 @@ def test_args_roles_and_shapes():
 
 @pytest.mark.parametrize("bad, what", [
     ({"bucket": 3}, "bucket"),
-    ({"heads": 33}, "heads=33"),
+    ({"heads": 129}, "heads=129 must be in 1..128"),
     ({"kv_lora": 4096}, "kv_lora=4096 must be a multiple of 256 up to 2048"),
     ({"kv_lora": 2048}, "bytes of shared memory"),
     ({"nope": 100}, "nope=100"),
@@ -405,7 +422,7 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
         assert "ld.global.v4" in ptx, label  # 16-byte loads (the latent row, the combine's partials)
         # the attention kernel: cache rows by 16-byte cp.async, QK^T and PV on the tensor cores; the absorb kernel:
         # ql^T = W_uk^T q_nope^T on the tensor cores, NOPE / 16 MMAs (two chains) per 16-column, 8-row output tile
-        ht, row = -(-c["H"] // 16), c["C"] + c["R"]
+        ht, row = -(-md.head_groups(c["H"])[1] // 16), c["C"] + c["R"]  # a head group's MMA tiles
         assert ptx.count("cp.async.cg.shared.global") >= 1, label
         attn_mma = ht * (row // 16 + c["C"] // 8 // 8 * c["TILE"] // 16)
         assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == attn_mma + c["NOPE"] // 16, label
