@@ -34,7 +34,10 @@ of tp whole TILE-row tiles, ``nact = ceil(n / (tp TILE))`` of them, tp the same 
 tiles (at least CHUNK_MIN positions, at most NSPLIT splits per row) whose splits over the whole batch fit one wave of
 SMS CTAs, computed by every warp from all M lengths (``tiles_per_split``; mirrored by the template's
 ``split_plan``). A grid of NSPLIT x M CTAs, most of them idle, queued the idle ones behind long active ones: every
-CTA holds an SM's shared memory until its PDL wait returns.
+CTA holds an SM's shared memory until its PDL wait returns. A BALANCED CTA lets the combine kernel launch only after
+its last tile (PDL trigger; the others right after their wait): one wave on part of the SMs otherwise let the
+combine's clustered CTAs fill the idle SMs early and wait there (H200, K3 TP8 shard, the template's exposed time at
+batch 8 / 32k context 120 -> 117 us, at batch 64 / 32k 795 -> 790).
 Otherwise (one row; batch-invariant code, where a row's splits depend only on its own length) ``nact = min(NSPLIT,
 ceil(n / CHUNK_MIN))`` splits of ``ceil(n / nact)`` positions. CTAs with a split index >= nact do nothing. An
 active CTA:
@@ -487,7 +490,8 @@ class Kernel:
         rZero = cute.make_rmem_tensor((4,), Uint32)
         rZero.fill(0)
         cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
+        if cutlass.const_expr(not BALANCED):
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
 
         if cutlass.const_expr(BALANCED):  # this CTA's (row, split) from the batch's plan
             tp = self.tiles_per_split(mLengths)
@@ -601,6 +605,10 @@ class Kernel:
                                 for e in cutlass.range_constexpr(4):
                                     acc[ht, nt, e] = c[e]
                 cute.arch.sync_threads()  # the stage and the scores are free for the next tile
+            if cutlass.const_expr(BALANCED):
+                # the combine may launch once this CTA's tiles are done (see the module docstring; an idle CTA
+                # triggers by exiting)
+                cute.arch.griddepcontrol_launch_dependents()
 
             # -- this split's partial
             for ht in cutlass.range_constexpr(HT):

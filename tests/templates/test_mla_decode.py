@@ -419,6 +419,11 @@ def test_compiles_sm90a_without_spills(tmp_path, monkeypatch):
         assert ".target sm_90a" in ptx, label
         assert len(re.findall(r"^\.visible \.entry", ptx, re.M)) == 3, label
         assert ptx.count("griddepcontrol.wait") == 3 and ptx.count("griddepcontrol.launch_dependents") == 3
+        # the attention kernel lets the combine launch after its last tile when BALANCED, else right after its wait
+        att = next(body for body in re.split(r"^\.visible \.entry ", ptx, flags=re.M)[1:]
+                   if body.startswith("kernel_cutlass_kernel_"))
+        trig = att.find("griddepcontrol.launch_dependents")
+        assert (trig > att.rfind("mma.sync")) == (c["BALANCE"] and c["M"] > 1) and trig > att.find("griddepcontrol.wait"), label
         assert "ld.global.v4" in ptx, label  # 16-byte loads (the latent row, the combine's partials)
         # the attention kernel: cache rows by 16-byte cp.async, QK^T and PV on the tensor cores; the absorb kernel:
         # ql^T = W_uk^T q_nope^T on the tensor cores, NOPE / 16 MMAs (two chains) per 16-column, 8-row output tile
