@@ -144,6 +144,10 @@ def _plan_figures(lowered, model, state, ids, tp: int, bucket: int, context: int
     from .plan import build_plan
 
     if lowered is None:
+        # a fresh capture (see verify._compile): after k3compile rows of other buckets, one of them failed, the
+        # floor's recompile of the same decode failed to trace (H100, TP 2 slice, 2026-12-05: "Could not guard
+        # on data-dependent expression")
+        torch._dynamo.reset()
         step = k3compile.compile(model, buckets=(bucket,), options={"kernels": "eager"})
         step(ids, state)
         lowered = step.graphs[bucket]
