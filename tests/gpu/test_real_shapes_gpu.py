@@ -7,7 +7,8 @@ TP is emulated on one GPU (a fake process group): all-reduces are the identity a
 replicate the local shard, in the eager model and in the compiled step alike, so both compute the same
 function of rank 0's shard and can be compared. ``K3_SLICE_PACKAGE`` names a package built on a CPU
 machine: ``k3compile codegen --config slice:N --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR``
-(N = 2 to 4; one TP size: a TP 2 slice of 4 layers takes about 4 x the memory of TP 8's).
+(N = 2 to 4; one TP size: a TP 2 slice of 4 layers takes about 4 x the memory of TP 8's, and one model is held
+at a time).
 
 * per node: every dialect node's kernels against its eager op on the same inputs (shadow), batch 1 and
   13 padded into bucket 16, relative error <= 2e-2; coverage proof clean, no eager fallback;
@@ -61,12 +62,30 @@ def slice_package() -> tuple[str, int, int, int]:
     return path, man["max_context"], int(config.removeprefix("slice").removeprefix(":")), man["tp"][0]
 
 
-@pytest.fixture(scope="module")
+_HELD: dict = {}  # the one slice model alive at a time (key -> model)
+
+
+def _one_model(key, build):
+    """The model for ``key``, built on first use; building another first frees the one held. Two models of a
+    4-layer slice do not fit an 80 GB card together at TP 2 (each test function uses one; they run in order)."""
+    if key not in _HELD:
+        import gc
+
+        _HELD.clear()
+        torch._dynamo.reset()  # compiled graphs hold the old model's tensors
+        gc.collect()
+        torch.cuda.empty_cache()
+        _HELD[key] = build()
+    return _HELD[key]
+
+
+@pytest.fixture
 def slice_model(slice_package):
     from k3compile.bench import build_model
     from k3compile.models import k3_slice
 
-    return build_model(k3_slice(slice_package[2]), slice_package[3])  # fake process group, rank 0's shard
+    # fake process group, rank 0's shard
+    return _one_model("plain", lambda: build_model(k3_slice(slice_package[2]), slice_package[3]))
 
 
 def _compile(model, package, bucket, **options):
@@ -74,14 +93,11 @@ def _compile(model, package, bucket, **options):
     return k3compile.compile(model, buckets=(bucket,), options={"kernels": f"package:{package[0]}", **options})
 
 
-@pytest.fixture(scope="module")
-def margin_model(slice_package):
-    """Another random slice whose MoE layers route every token to the same 16 experts by a clear margin."""
+def _margin_model(layers: int, tp: int):
     from k3compile.bench import build_model
     from k3compile.models import k3_slice
 
-    tp = slice_package[3]
-    model = build_model(k3_slice(slice_package[2]), tp, seed=1)
+    model = build_model(k3_slice(layers), tp, seed=1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
@@ -89,6 +105,12 @@ def margin_model(slice_package):
                 local = p.numel() // tp
                 p[torch.randperm(local, generator=torch.Generator().manual_seed(5))[:16]] = 4.0
     return model
+
+
+@pytest.fixture
+def margin_model(slice_package):
+    """Another random slice whose MoE layers route every token to the same 16 experts by a clear margin."""
+    return _one_model("margin", lambda: _margin_model(slice_package[2], slice_package[3]))
 
 
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (13, 16)])
