@@ -4,6 +4,7 @@ codegen, bench and verify stages."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from . import __version__
@@ -62,13 +63,22 @@ def cmd_diff(args) -> int:
 def cmd_plan(args) -> int:
     from k3compile.models import get_config
 
+    from .memory import rank_memory
     from .plan import dumps, plan_for
 
     cfg = get_config(args.config)
     cfg.check_tp(args.tp)
     _note_bucket(args.bucket)
     plan = plan_for(cfg, tp=args.tp, bucket=args.bucket, context=args.context)
-    print(dumps(plan, args.bandwidth) if args.json else plan.text(args.bandwidth), end="" if not args.json else "\n")
+    cap = args.max_context or cfg.max_position_embeddings
+    if not args.context < cap <= cfg.max_position_embeddings:
+        raise ValueError(f"--max-context {cap} must be above --context {args.context} and at most {cfg.name}'s "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    mem = rank_memory(cfg, tp=args.tp, bucket=args.bucket, max_context=cap)
+    if args.json:
+        print(json.dumps({**json.loads(dumps(plan, args.bandwidth)), "memory": mem.to_json()}, indent=1))
+    else:
+        print(plan.text(args.bandwidth) + mem.text())
     return 0
 
 
@@ -123,7 +133,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_bench_plot(args) -> int:
-    import json
     import os
 
     from .bench import layer_kernels_table, per_layer, plot, refloor, rows_of, table
@@ -174,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "activations, FLOPs) and the per-layer HBM floor (bytes / bandwidth).")
     _add_point_args(pl)
     pl.add_argument("--context", type=int, default=0, help="tokens already in each sequence (MLA cache bytes read)")
+    pl.add_argument("--max-context", type=int, default=None,
+                    help="positions the decode state has room for (the memory per rank; default: the config's "
+                         "max_position_embeddings)")
     pl.add_argument("--bandwidth", type=float, default=4.2e12, help="HBM bandwidth in bytes/s for the floor")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.set_defaults(func=cmd_plan)
