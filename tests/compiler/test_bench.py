@@ -316,6 +316,28 @@ def test_the_floor_without_a_k3compile_row(mini_model):
     assert 0 < floor < float("inf")
 
 
+def test_a_compiled_model_is_freed_between_depths():
+    """The bench builds one model per depth: the previous one must be gone first. After a k3compile row (as on
+    the GPU, here with eager kernels) ``del`` alone leaves the model alive in Dynamo's caches; ``free_models``
+    frees it."""
+    import gc
+    import weakref
+
+    import k3compile
+    from k3compile.models import k3_mini
+
+    model = bench.build_model(k3_mini(), 1, device="cpu")
+    state = model.new_state(1, 16)
+    torch._dynamo.reset()
+    k3compile.compile(model, buckets=(1,), options={"kernels": "eager"})(torch.tensor([3]), state)
+    alive = weakref.ref(next(model.parameters()))
+    del model, state
+    gc.collect()
+    assert alive() is not None  # held by Dynamo: what made the next depth's model run out of memory
+    bench.free_models()
+    assert alive() is None
+
+
 def test_a_failed_capture_is_one_line_naming_the_host_sync():
     def check():
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
