@@ -69,12 +69,10 @@ def _one_model(key, build):
     """The model for ``key``, built on first use; building another first frees the one held. Two models of a
     4-layer slice do not fit an 80 GB card together at TP 2 (each test function uses one; they run in order)."""
     if key not in _HELD:
-        import gc
+        from k3compile.bench import free_models
 
         _HELD.clear()
-        torch._dynamo.reset()  # compiled graphs hold the old model's tensors
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_models()  # Dynamo's caches hold a compiled model after its last reference goes
         _HELD[key] = build()
     return _HELD[key]
 
