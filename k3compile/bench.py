@@ -256,13 +256,31 @@ def run(config_name: str, *, layers: list[int] | None, tp: int, buckets: list[in
             config = k3_slice(n or 4)
         else:
             raise SystemExit(f"--config {config_name}: bench runs k3_mini or slice (real dimensions)")
-        model = build_model(config, tp)
         pkg = package.format(layers=config.num_hidden_layers) if package else None
+        cap = _package_context(pkg) if pkg else max(contexts) + steps + 16
+        log(memory_note(config, tp, max(buckets), cap, torch.cuda.mem_get_info()[0]))
+        model = build_model(config, tp)
         run_model(model, tp=tp, buckets=buckets, contexts=contexts, package=pkg, systems=systems, steps=steps,
                   bandwidth=bw, rows=rows, log=log, partial=partial)
         del model
         free_models()
     return _result(bw, rows)
+
+
+def memory_note(config, tp: int, bucket: int, cap: int, free: int) -> str:
+    """One line before a model is built: what a k3compile row needs on this rank (``k3compile.memory``: weights,
+    the experts' relaid copy, the largest bucket's state) against the GPU's free bytes, and a warning when it
+    does not fit (its rows would end as out-of-memory notes)."""
+    from .memory import rank_memory
+
+    mem = rank_memory(config, tp=tp, bucket=bucket, max_context=cap)
+    line = (f"{config.name} TP{tp}: a k3compile row needs about {mem.total / 1e9:.1f} GB on this rank (weights "
+            f"{(mem.bf16 + mem.experts) / 1e9:.1f}, relaid experts {mem.relaid / 1e9:.1f}, state of bucket {bucket} "
+            f"{mem.state / 1e9:.1f}); {free / 1e9:.1f} GB free")
+    if mem.total > free:
+        line += ("\n  WARNING: more than is free: its rows will run out of memory; use a larger --tp, fewer --layers "
+                 "or a GPU with more memory")
+    return line
 
 
 def free_models() -> None:

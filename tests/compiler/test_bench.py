@@ -338,6 +338,17 @@ def test_a_compiled_model_is_freed_between_depths():
     assert alive() is None
 
 
+def test_the_memory_note_before_each_model_warns_when_it_does_not_fit():
+    """The 4-layer TP 2 slice (51.4 GB with its relaid experts) beside 79 GB free fits; beside the 28 GB an 80 GB
+    card had left with the 3-layer model still held, the note says its rows will run out of memory."""
+    from k3compile.models import k3_slice
+
+    fits = bench.memory_note(k3_slice(4), 2, 16, 4096, int(79e9))
+    assert "needs about 51.4 GB" in fits and "relaid experts 22.2" in fits and "WARNING" not in fits
+    short = bench.memory_note(k3_slice(4), 2, 16, 4096, int(28e9))
+    assert "WARNING" in short and "a larger --tp" in short
+
+
 def test_a_failed_capture_is_one_line_naming_the_host_sync():
     def check():
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
