@@ -69,12 +69,10 @@ def rank_memory(config, *, tp: int, bucket: int, max_context: int | None = None)
     ctx = config.max_position_embeddings if max_context is None else max_context
     model = K3Model(config, dtype=torch.bfloat16, device="meta", tp_rank=0, tp_size=tp)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    buffers = {n.rsplit(".", 1)[-1]: [] for n, _ in model.named_buffers()}
-    for n, b in model.named_buffers():
-        buffers[n.rsplit(".", 1)[-1]].append(nbytes(b))
-    experts = sum(sum(v) for k, v in buffers.items() if k.startswith("experts_"))
-    bf16 = sum(nbytes(p) for p in model.parameters()) + sum(sum(v) for v in buffers.values()) - experts
+    expert = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("experts_")}
+    experts = sum(nbytes(b) for b in expert.values())
+    bf16 = sum(nbytes(t) for t in (*model.parameters(), *model.buffers())) - experts
     # the kernels relay the routed experts' codes (``Arg.layout``: experts_w{1,3,2}_packed), not their scales
-    relaid = sum(sum(v) for k, v in buffers.items() if k.startswith("experts_") and k.endswith("_packed"))
+    relaid = sum(nbytes(b) for n, b in expert.items() if n.endswith("_packed"))
     state = sum(nbytes(t) for t in model.new_state(bucket, ctx).tensors())  # checks ctx against the config
     return RankMemory(config.name, tp, bucket, ctx, bf16, experts, relaid, state)
