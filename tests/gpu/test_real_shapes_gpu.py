@@ -54,8 +54,7 @@ def slice_package() -> tuple[str, int, int, int]:
     with open(os.path.join(path, "manifest.json")) as fh:
         man = json.load(fh)
     config = str(man["config"])
-    if (not config.startswith("slice") or len(man["tp"]) != 1 or man["tp"][0] not in (1, 2, 4, 8, 16)
-            or not {1, 16} <= set(man["buckets"])):
+    if not config.startswith("slice") or len(man["tp"]) != 1 or not {1, 16} <= set(man["buckets"]):
         pytest.fail(f"K3_SLICE_PACKAGE={path} was built for {config}, TP {man['tp']}, buckets {man['buckets']}; "
                     f"these tests need a K3 slice at one TP size with buckets 1 and 16 (`k3compile "
                     f"codegen --config slice:N --tp 8 --buckets 1,16 --max-context 4096 --package -o DIR`)")
