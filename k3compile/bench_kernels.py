@@ -35,6 +35,27 @@ def selected(kernels: dict, only: str | None) -> list[str]:
             if not pats or any(p in n or p in k.get("example", "") for p in pats)]
 
 
+def shard_of(names: list[str], sizes: dict[str, int], shard: str | None) -> list[str]:
+    """Shard ``"I/N"`` (1-based) of ``names``: the kernels split over N processes by input bytes (the largest
+    first, each to the shard with the fewest bytes so far; ties by name), so the shards of one package take
+    about equal time and every process computes the same split. ``None``: all of them."""
+    if shard is None:
+        return names
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard {shard!r} is not I/N with 1 <= I <= N (e.g. 2/4: the second of four processes)")
+    load = [0] * n
+    owner = {}
+    for name in sorted(names, key=lambda k: (-sizes[k], k)):
+        j = min(range(n), key=lambda x: (load[x], x))
+        owner[name] = j
+        load[j] += sizes[name]
+    return [k for k in names if owner[k] == i - 1]
+
+
 def check_seeds(n: int, seed: int | None) -> list[int]:
     """The input seeds of a kernel's n correctness checks: seed, seed + 1, ... when given, else fresh ones."""
     if seed is not None:
@@ -43,7 +64,7 @@ def check_seeds(n: int, seed: int | None) -> list[int]:
 
 
 def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = None, timing: bool = True,
-        seed: int | None = None) -> int:
+        seed: int | None = None, shard: str | None = None) -> int:
     import torch
 
     from . import kernel_check as kc
@@ -54,6 +75,11 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         return 2
     pkg = KernelPackage(package_dir)
     names = selected(pkg.kernels, only)
+    try:
+        names = shard_of(names, {k: kc.input_bytes(pkg.point(k)) for k in names}, shard) if names else names
+    except ValueError as e:
+        print(f"k3compile bench-kernels: error: {e}", file=sys.stderr)
+        return 2
     if not names:
         print(f"k3compile bench-kernels: error: no kernel of {package_dir} matches --only {only!r}. Fix: give a "
               f"substring of a kernel name or example label (comma-separated for several)", file=sys.stderr)
@@ -66,6 +92,7 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         fn = pkg.function(name)
         row = {"kernel": name, "example": entry.get("example", ""), "template": entry["template"],
                "bytes": point.template.bytes(point.c), "flops": point.template.flops(point.c)}
+        t0 = time.perf_counter()
         try:
             n_checks = 1 if kc.input_bytes(point) > 2**29 else seeds  # inputs drawn on the CPU: keep big ones to one
             checks = [kc.check(point, fn, seed=s) for s in check_seeds(n_checks, seed)]
@@ -73,6 +100,7 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
             row["ok"] = all(c["ok"] for c in checks)
         except Exception as e:  # noqa: BLE001 - a crashing kernel is a failed row, the run goes on
             row["ok"], row["error"] = False, f"{type(e).__name__}: {e}"
+        row["check_s"] = round(time.perf_counter() - t0, 2)
         if timing and row["ok"]:
             try:
                 sets = kc.input_sets(point, seed=7)
@@ -95,11 +123,12 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         rows.append(row)
         _print_row(row)
         torch.cuda.empty_cache()
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "host": platform.node(), "package": str(package_dir),
-              "copy_bandwidth_Bps": bw, "kernels": rows, "failed": failed}
-    with open(out_json, "w") as fh:
-        json.dump(result, fh, indent=1, default=str)
+        result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "host": platform.node(), "package": str(package_dir), "shard": shard,
+                  "copy_bandwidth_Bps": bw, "kernels": rows, "failed": failed,
+                  "not_run": names[len(rows):]}  # written after every kernel: a run cut off keeps what it did
+        with open(out_json, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
     print(table(result))
     return 1 if failed else 0
 
@@ -136,3 +165,75 @@ def table(result: dict) -> str:
             if key in r:
                 lines.append(f"{(r['example'] or r['kernel'])}: {what}: {r[key]}")
     return "\n".join(lines)
+
+
+def merge_shards(results: list[dict], package_kernels: dict) -> dict:
+    """One report from the ``--shard`` runs of a package (``results``: their JSONs, ``package_kernels``: the
+    manifest's kernels): per template, kernels passed / failed / not checked (a shard cut off by its time limit,
+    or one that never wrote its file, leaves its kernels unchecked: they are listed, not counted as passed)."""
+    rows = {r["kernel"]: r for res in results for r in res["kernels"]}
+    per = {}
+    for name, entry in sorted(package_kernels.items()):
+        t = per.setdefault(entry["template"], {"kernels": 0, "passed": 0, "failed": [], "not_checked": []})
+        t["kernels"] += 1
+        r = rows.get(name)
+        if r is None:
+            t["not_checked"].append(name)
+        elif r["ok"]:
+            t["passed"] += 1
+        else:
+            t["failed"].append(name)
+    worst = {}
+    for r in rows.values():
+        for c in r.get("checks", []):
+            for k, v in c["errors"].items():
+                key = (r["template"], k)
+                worst[key] = max(worst.get(key, 0.0), float(v))
+    return {"kernels": len(package_kernels), "passed": sum(t["passed"] for t in per.values()),
+            "failed": sorted(n for t in per.values() for n in t["failed"]),
+            "not_checked": sorted(n for t in per.values() for n in t["not_checked"]),
+            "per_template": per, "worst_error": {f"{t}.{k}": v for (t, k), v in sorted(worst.items())},
+            "device": next((res["device"] for res in results), None),
+            "check_s": round(sum(r.get("check_s", 0.0) for r in rows.values()), 1)}
+
+
+def merge_table(report: dict) -> str:
+    lines = [f"{'template':<20} {'kernels':>7} {'passed':>7} {'failed':>7} {'not checked':>11}"]
+    for name, t in report["per_template"].items():
+        lines.append(f"{name:<20} {t['kernels']:>7} {t['passed']:>7} {len(t['failed']):>7} "
+                     f"{len(t['not_checked']):>11}")
+    lines.append(f"{'all':<20} {report['kernels']:>7} {report['passed']:>7} {len(report['failed']):>7} "
+                 f"{len(report['not_checked']):>11}")
+    lines += [f"FAILED {n}" for n in report["failed"]]
+    lines += [f"worst relative error {k}: {v:.3g}" for k, v in report["worst_error"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m k3compile.bench_kernels merge PACKAGE OUT.json SHARD.json...``: the report of
+    :func:`merge_shards`, printed and written; exit 1 unless every kernel of the package passed."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m k3compile.bench_kernels")
+    ap.add_argument("cmd", choices=["merge"])
+    ap.add_argument("package")
+    ap.add_argument("out")
+    ap.add_argument("shards", nargs="*")
+    a = ap.parse_args(argv)
+    results = []
+    for p in a.shards:
+        try:
+            with open(p) as fh:
+                results.append(json.load(fh))
+        except (OSError, ValueError) as e:
+            print(f"merge: {p} unreadable ({e}); its kernels count as not checked", file=sys.stderr)
+    with open(f"{a.package}/manifest.json") as fh:
+        report = merge_shards(results, json.load(fh)["kernels"])
+    with open(a.out, "w") as fh:
+        json.dump(report, fh, indent=1)
+    print(merge_table(report))
+    return 0 if report["passed"] == report["kernels"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -123,7 +123,7 @@ def cmd_bench_kernels(args) -> int:
     from .bench_kernels import run
 
     return run(args.package, out_json=args.json, seeds=args.seeds, only=args.only, timing=not args.check_only,
-               seed=args.seed)
+               seed=args.seed, shard=args.shard)
 
 
 def cmd_bench(args) -> int:
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--seed", type=int, help="draw check i's inputs from seed SEED + i for every kernel (default: "
                                             "fresh): two packages' kernels of one example checked on the same inputs")
     bk.add_argument("--check-only", action="store_true", help="correctness only, no timing")
+    bk.add_argument("--shard", metavar="I/N", help="run only the I-th of N equal parts of the selected kernels "
+                                                   "(split by input bytes, the same split in every process): N "
+                                                   "processes check a whole package side by side on one GPU")
     bk.set_defaults(func=cmd_bench_kernels)
     bp = sub.add_parser("bench-plot", help="table and plot of a `k3compile bench` JSON (no GPU needed)")
     bp.add_argument("json", help="bench JSON")

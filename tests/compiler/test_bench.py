@@ -430,3 +430,61 @@ def test_bench_kernels_selects_by_any_of_several_patterns_and_seeds_checks_repro
     assert bench_kernels.check_seeds(3, 40) == [40, 41, 42]
     fresh = bench_kernels.check_seeds(2, None) + bench_kernels.check_seeds(2, None)
     assert len(set(fresh)) == 4 and all(0 <= s < 2**31 for s in fresh)
+
+
+def test_bench_kernels_shards_split_a_package_once_and_evenly_by_input_bytes():
+    """--shard I/N: N processes check one package side by side; every kernel lands in exactly one shard, the
+    split is the same in every process, the shards carry about equal input bytes, and a malformed shard is an
+    error that shows the form."""
+    from k3compile import bench_kernels
+
+    sizes = {"moe_a": 900, "moe_b": 800, "gemv_c": 100, "gemv_d": 90, "norm_e": 10, "norm_f": 5, "mla_g": 700}
+    names = sorted(sizes)
+    parts = [bench_kernels.shard_of(names, sizes, f"{i}/3") for i in (1, 2, 3)]
+    assert sorted(sum(parts, [])) == names  # each kernel once
+    assert all(p == sorted(p) for p in parts)  # the selection's order kept
+    loads = [sum(sizes[k] for k in p) for p in parts]
+    assert max(loads) - min(loads) <= 200, loads
+    assert parts == [bench_kernels.shard_of(names, sizes, f"{i}/3") for i in (1, 2, 3)]
+    assert bench_kernels.shard_of(names, sizes, None) == names
+    for bad in ("0/3", "4/3", "2", "a/b"):
+        with pytest.raises(ValueError, match="I/N"):
+            bench_kernels.shard_of(names, sizes, bad)
+
+
+def test_bench_kernels_merge_counts_a_cut_off_shard_as_not_checked(tmp_path, capsys):
+    """The shards' JSONs become one report per template; a kernel no shard reached (a shard cut off by its time
+    limit, or one whose file is missing) is listed as not checked, never counted as passed, and the exit status
+    says the package is not fully checked; a failed check is named."""
+    import json
+
+    from k3compile import bench_kernels
+
+    manifest = {"kernels": {"gemv_a": {"template": "gemv"}, "gemv_b": {"template": "gemv"},
+                            "moe_c": {"template": "moe_gate_up"}, "moe_d": {"template": "moe_gate_up"}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    ok = {"checks": [{"errors": {"y": 1e-3}, "problems": [], "ok": True}], "ok": True}
+    s1 = {"device": "H200", "kernels": [{"kernel": "gemv_a", "template": "gemv", **ok},
+                                        {"kernel": "moe_c", "template": "moe_gate_up",
+                                         "checks": [{"errors": {"h": 0.5}, "problems": ["h: ..."], "ok": False}],
+                                         "ok": False}], "not_run": []}
+    s2 = {"device": "H200", "kernels": [{"kernel": "gemv_b", "template": "gemv", **ok}], "not_run": ["moe_d"]}
+    paths = []
+    for i, s in enumerate((s1, s2)):
+        paths.append(str(tmp_path / f"s{i}.json"))
+        (tmp_path / f"s{i}.json").write_text(json.dumps(s))
+    out = tmp_path / "report.json"
+    rc = bench_kernels.main(["merge", str(tmp_path), str(out), *paths, str(tmp_path / "missing.json")])
+    report = json.loads(out.read_text())
+    assert rc == 1
+    assert (report["kernels"], report["passed"], report["failed"], report["not_checked"]) == (4, 2, ["moe_c"],
+                                                                                              ["moe_d"])
+    assert report["per_template"]["gemv"]["passed"] == 2
+    assert report["worst_error"] == {"gemv.y": 1e-3, "moe_gate_up.h": 0.5}
+    printed = capsys.readouterr()
+    assert "FAILED moe_c" in printed.out and "missing.json unreadable" in printed.err
+    s2["kernels"].append({"kernel": "moe_d", "template": "moe_gate_up", **ok})
+    s1["kernels"][1] = {"kernel": "moe_c", "template": "moe_gate_up", **ok}
+    for p, s in zip(paths, (s1, s2)):
+        open(p, "w").write(json.dumps(s))
+    assert bench_kernels.main(["merge", str(tmp_path), str(out), *paths]) == 0
