@@ -53,6 +53,25 @@ def default_cluster(bucket: int, d: int) -> int:
     return max(c for c in range(1, MAX_CLUSTER + 1) if d % (c * 256) == 0 and (c == 1 or bucket * c <= SMS))
 
 
+def default_threads(ds: int, nb: int, out_norm: bool) -> int:
+    """Threads per CTA for a slice of ``ds`` columns: the most (up to MAX_THREADS) that split its 8-element
+    chunks evenly, one chunk per thread and step. Above 12 warps a thread gets at most 128 registers (an SM
+    sub-partition's 16K registers over 4 warps), which the output norm's Gram statistics over 7 or more blocks
+    exceed (8 blocks + 3 rows in registers, 18 sums and up to 36 pairwise dot products: ptxas spilled 8-120
+    bytes at 448 threads in every such kernel of the real config); those take half the threads, two steps each
+    (224 threads: 205 registers, no spill)."""
+    chunks = ds // 8
+    threads = min(MAX_THREADS, chunks)
+    while chunks % threads:  # chunks is a multiple of 32, so this stops at 32 at worst
+        threads -= 32
+    if threads > 384 and out_norm and 7 <= nb <= 8:
+        half = threads // 2 // 32 * 32
+        while chunks % half:
+            half -= 32
+        threads = half
+    return threads
+
+
 class ResidualAttnRes(Template):
     name = "residual_attn_res"
     kernel_file = "residual_attn_res.py"
@@ -61,7 +80,7 @@ class ResidualAttnRes(Template):
 
     def constants(self, *, bucket: int, d: int, nb: int, add: bool = True, has_prefix: bool = True,
                   out_norm: bool = True, add_r: bool = False, eps: float = 1e-5, out_eps: float = 1e-5, tp: int = 1,
-                  cluster: int | None = None) -> list:
+                  cluster: int | None = None, threads: int | None = None) -> list:
         need_bucket("residual_attn_res", bucket)
         need(isinstance(d, int) and d > 0 and d % 256 == 0,
              f"residual_attn_res: row length d={d} must be a positive multiple of 256 (8 elements x 32 threads); "
@@ -83,9 +102,12 @@ class ResidualAttnRes(Template):
              f"residual_attn_res: cluster={cluster} CTAs per row must be in 1..{MAX_CLUSTER} and split d={d} into "
              f"multiples of 256 columns; leave it unset for the default")
         ds = d // cluster
-        threads = min(MAX_THREADS, ds // 8)
-        while (ds // 8) % threads:  # ds // 8 is a multiple of 32, so this stops at 32 at worst
-            threads -= 32
+        if threads is None:
+            threads = default_threads(ds, nb, out_norm)
+        need(isinstance(threads, int) and 32 <= threads <= MAX_THREADS and threads % 32 == 0
+             and (ds // 8) % threads == 0,
+             f"residual_attn_res: threads={threads} must be a multiple of 32 up to {MAX_THREADS} that divides the "
+             f"{ds // 8} 8-element chunks of a CTA's {ds} columns; leave it unset for the default")
         return [const("M", bucket, "rows (the batch bucket)"),
                 const("D", d, "row length (hidden size)"),
                 const("NB", nb, "sealed blocks read by AttnRes (0: out = prefix)"),
@@ -126,6 +148,8 @@ class ResidualAttnRes(Template):
         ex["k3tp8_addr_b1"] = {"bucket": 1, "d": 7168, "nb": 4, "add_r": True}
         ex["k3tp8_addr_b64"] = {"bucket": 64, "d": 7168, "nb": 4, "add_r": True}
         ex["k3tp8_tp8_addr_b8"] = {"bucket": 8, "d": 7168, "nb": 4, "add_r": True, "tp": 8}
+        # the real model's last FFN tails (8 sealed blocks) at batch 64: 224 threads of two steps (default_threads)
+        ex["k3tp8_tp8_nb8_addr_b64"] = {"bucket": 64, "d": 7168, "nb": 8, "add_r": True, "tp": 8}
         return ex
 
     def args(self, c):
