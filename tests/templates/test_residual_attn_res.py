@@ -73,6 +73,8 @@ def test_render_differs_per_point():
     ({"cluster": 9}, "cluster=9"),
     ({"cluster": 3}, "cluster=3"),  # 256 columns do not split into 3 multiples of 256
     ({"out_eps": -1.0}, "eps"),
+    ({"threads": 64}, "threads=64"),  # more threads than the row's 32 chunks of 8
+    ({"threads": 48}, "threads=48"),  # not whole warps
 ])
 def test_bad_params_raise(bad, what):
     params = {**EXAMPLES["mini_b1"], **bad}
