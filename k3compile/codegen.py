@@ -622,10 +622,15 @@ def summary(manifest: dict) -> str:
     lines.append("  per template: " + ", ".join(f"{t} {n}" for t, n in sorted(by_t.items())))
     if manifest["compiled"]:
         worst = max((k["ptxas"]["registers"] for k in manifest["kernels"].values()), default=0)
-        spills = [n for n, k in manifest["kernels"].items() if k["ptxas"]["stack_bytes"]]
+        spills: dict[str, list[int]] = {}
+        for k in manifest["kernels"].values():
+            if k["ptxas"]["stack_bytes"]:
+                spills.setdefault(k["template"], []).append(k["ptxas"]["stack_bytes"])
+        per = ", ".join(f"{t} {len(b)} ({min(b)}-{max(b)} B)" if min(b) != max(b) else f"{t} {len(b)} ({b[0]} B)"
+                        for t, b in sorted(spills.items()))
         lines.append(f"  compiled for {manifest['arch']}: max {worst} registers; local memory (spills or a "
-                     f"local array) in {len(spills)} kernels"
-                     + (f" ({', '.join(spills[:5])})" if spills else ""))
+                     f"local array) in {sum(len(b) for b in spills.values())} kernels" + (f": {per}" if per else "")
+                     + ("; the manifest's ptxas entries name them" if spills else ""))
         bad = [n for n, k in manifest["kernels"].items() if not k["audit"]["ok"]]
         n_all = len(manifest["kernels"])
         lines.append(f"  memory-ordering audit (PTX: only weights read, nothing written, before "

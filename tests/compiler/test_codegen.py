@@ -210,3 +210,18 @@ def test_gemv_prologues_are_fused_up_to_bucket_4_and_kernels_of_their_own_above(
             assert e.bucket >= PROLOGUE_SPLIT_BUCKET, e
         seen.add((e.launch, len(pts)))
     assert ("situ_linear", 1) in seen and ("situ_linear", 2) in seen, seen
+
+
+def test_summary_counts_local_memory_per_template():
+    """The summary names every template with local memory, how many kernels and their frame sizes (the real
+    config's list is too long to print by kernel name); none reads 'in 0 kernels' with nothing after it."""
+    def k(t, stack):
+        return {"template": t, "ptxas": {"registers": 128, "stack_bytes": stack}, "audit": {"ok": True}}
+    manifest = {"config": "c", "tp": [8], "buckets": [1], "arch": "sm_90a", "compiled": True,
+                "coverage": {"plan_launches": 4, "covered": 4, "uncovered": []},
+                "kernels": {"a": k("gemv", 8), "b": k("gemv", 104), "c": k("moe_gate_up", 16), "d": k("gemv", 0)}}
+    line = next(ln for ln in summary(manifest).splitlines() if "local memory" in ln)
+    assert "in 3 kernels: gemv 2 (8-104 B), moe_gate_up 1 (16 B)" in line
+    manifest["kernels"] = {"d": k("gemv", 0)}
+    line = next(ln for ln in summary(manifest).splitlines() if "local memory" in ln)
+    assert line.endswith("in 0 kernels")
