@@ -56,6 +56,22 @@ def shard_of(names: list[str], sizes: dict[str, int], shard: str | None) -> list
     return [k for k in names if owner[k] == i - 1]
 
 
+def passed_in(paths: list[str]) -> set[str]:
+    """The kernels that passed in earlier ``bench-kernels`` JSONs (``--skip-passed``: a whole-package check cut
+    off by its time limit goes on where it stopped). A kernel's name is the hash of its template source,
+    constants and arch, so a name passed before is the same kernel; a failed or unreached one is checked again."""
+    done = set()
+    for p in paths:
+        try:
+            with open(p) as fh:
+                res = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--skip-passed {p}: unreadable ({e}). Fix: give the JSON of an earlier bench-kernels "
+                             f"run (e.g. a shard file from check_package_shards.tgz)") from e
+        done.update(r["kernel"] for r in res.get("kernels", []) if r.get("ok"))
+    return done
+
+
 def check_seeds(n: int, seed: int | None) -> list[int]:
     """The input seeds of a kernel's n correctness checks: seed, seed + 1, ... when given, else fresh ones."""
     if seed is not None:
@@ -64,7 +80,7 @@ def check_seeds(n: int, seed: int | None) -> list[int]:
 
 
 def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = None, timing: bool = True,
-        seed: int | None = None, shard: str | None = None) -> int:
+        seed: int | None = None, shard: str | None = None, skip_passed: list[str] | None = None) -> int:
     import torch
 
     from . import kernel_check as kc
@@ -75,17 +91,32 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         return 2
     pkg = KernelPackage(package_dir)
     names = selected(pkg.kernels, only)
-    try:
-        names = shard_of(names, {k: kc.input_bytes(pkg.point(k)) for k in names}, shard) if names else names
-    except ValueError as e:
-        print(f"k3compile bench-kernels: error: {e}", file=sys.stderr)
-        return 2
     if not names:
         print(f"k3compile bench-kernels: error: no kernel of {package_dir} matches --only {only!r}. Fix: give a "
               f"substring of a kernel name or example label (comma-separated for several)", file=sys.stderr)
         return 2
+    try:
+        done = passed_in(skip_passed or [])
+        names = [k for k in names if k not in done]
+        names = shard_of(names, {k: kc.input_bytes(pkg.point(k)) for k in names}, shard)
+    except ValueError as e:
+        print(f"k3compile bench-kernels: error: {e}", file=sys.stderr)
+        return 2
+    if done:
+        print(f"skipping {len(done)} kernels that passed in {', '.join(skip_passed)}")
     bw = kc.measure_copy_bandwidth() if timing else None
     rows, failed = [], 0
+
+    def save() -> dict:  # after every kernel: a run cut off keeps what it did
+        result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "host": platform.node(), "package": str(package_dir), "shard": shard,
+                  "copy_bandwidth_Bps": bw, "kernels": rows, "failed": failed, "not_run": names[len(rows):],
+                  "skipped_passed": len(done)}
+        with open(out_json, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+        return result
+
+    result = save()  # a shard left with nothing to check (all passed before) still writes its file
     for name in names:
         entry = pkg.kernels[name]
         point = pkg.point(name)
@@ -123,12 +154,7 @@ def run(package_dir: str, *, out_json: str, seeds: int = 2, only: str | None = N
         rows.append(row)
         _print_row(row)
         torch.cuda.empty_cache()
-        result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "host": platform.node(), "package": str(package_dir), "shard": shard,
-                  "copy_bandwidth_Bps": bw, "kernels": rows, "failed": failed,
-                  "not_run": names[len(rows):]}  # written after every kernel: a run cut off keeps what it did
-        with open(out_json, "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
+        result = save()
     print(table(result))
     return 1 if failed else 0
 
@@ -170,7 +196,8 @@ def table(result: dict) -> str:
 def merge_shards(results: list[dict], package_kernels: dict) -> dict:
     """One report from the ``--shard`` runs of a package (``results``: their JSONs, ``package_kernels``: the
     manifest's kernels): per template, kernels passed / failed / not checked (a shard cut off by its time limit,
-    or one that never wrote its file, leaves its kernels unchecked: they are listed, not counted as passed)."""
+    or one that never wrote its file, leaves its kernels unchecked: they are listed, not counted as passed). A
+    kernel in several results (a run that went on with ``--skip-passed``) counts as the last one says."""
     rows = {r["kernel"]: r for res in results for r in res["kernels"]}
     per = {}
     for name, entry in sorted(package_kernels.items()):
@@ -194,6 +221,7 @@ def merge_shards(results: list[dict], package_kernels: dict) -> dict:
             "not_checked": sorted(n for t in per.values() for n in t["not_checked"]),
             "per_template": per, "worst_error": {f"{t}.{k}": v for (t, k), v in sorted(worst.items())},
             "device": next((res["device"] for res in results), None),
+            "devices": sorted({res["device"] for res in results if res.get("device")}),
             "check_s": round(sum(r.get("check_s", 0.0) for r in rows.values()), 1)}
 
 

@@ -123,7 +123,7 @@ def cmd_bench_kernels(args) -> int:
     from .bench_kernels import run
 
     return run(args.package, out_json=args.json, seeds=args.seeds, only=args.only, timing=not args.check_only,
-               seed=args.seed, shard=args.shard)
+               seed=args.seed, shard=args.shard, skip_passed=args.skip_passed)
 
 
 def cmd_bench(args) -> int:
@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--shard", metavar="I/N", help="run only the I-th of N equal parts of the selected kernels "
                                                    "(split by input bytes, the same split in every process): N "
                                                    "processes check a whole package side by side on one GPU")
+    bk.add_argument("--skip-passed", metavar="JSON", nargs="+", help="skip the kernels that passed in these earlier "
+                                                                     "bench-kernels JSONs (go on with a check that "
+                                                                     "was cut off; failed ones run again)")
     bk.set_defaults(func=cmd_bench_kernels)
     bp = sub.add_parser("bench-plot", help="table and plot of a `k3compile bench` JSON (no GPU needed)")
     bp.add_argument("json", help="bench JSON")

@@ -488,3 +488,29 @@ def test_bench_kernels_merge_counts_a_cut_off_shard_as_not_checked(tmp_path, cap
     for p, s in zip(paths, (s1, s2)):
         open(p, "w").write(json.dumps(s))
     assert bench_kernels.main(["merge", str(tmp_path), str(out), *paths]) == 0
+
+
+def test_bench_kernels_goes_on_where_an_earlier_check_stopped(tmp_path):
+    """--skip-passed: the kernels that passed in earlier shard JSONs are skipped, failed and unreached ones run
+    again; an unreadable file is an error naming it; merging the earlier and the new shards counts a kernel as
+    the last run says (a failure fixed by a rerun passes, a pass is kept when the rerun skipped it)."""
+    import json
+
+    from k3compile import bench_kernels
+
+    ok = {"checks": [{"errors": {"y": 1e-3}, "problems": [], "ok": True}], "ok": True}
+    bad = {"checks": [{"errors": {"y": 0.5}, "problems": ["y: ..."], "ok": False}], "ok": False}
+    early = {"device": "H100", "kernels": [{"kernel": "gemv_a", "template": "gemv", **ok},
+                                          {"kernel": "gemv_b", "template": "gemv", **bad}], "not_run": ["gemv_c"]}
+    p = tmp_path / "early.json"
+    p.write_text(json.dumps(early))
+    assert bench_kernels.passed_in([str(p)]) == {"gemv_a"}
+    with pytest.raises(ValueError, match="missing.json: unreadable"):
+        bench_kernels.passed_in([str(tmp_path / "missing.json")])
+    late = {"device": "H200", "kernels": [{"kernel": "gemv_b", "template": "gemv", **ok},
+                                         {"kernel": "gemv_c", "template": "gemv", **ok}], "not_run": []}
+    kernels = {k: {"template": "gemv"} for k in ("gemv_a", "gemv_b", "gemv_c")}
+    report = bench_kernels.merge_shards([early, late], kernels)
+    assert (report["passed"], report["failed"], report["not_checked"]) == (3, [], [])
+    assert report["devices"] == ["H100", "H200"]
+    assert bench_kernels.merge_shards([late, early], kernels)["failed"] == ["gemv_b"]

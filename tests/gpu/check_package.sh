@@ -14,6 +14,10 @@
 # Each shard stops at LIMIT seconds (default 500); what a cut-off shard did not reach is reported as not
 # checked (its JSON is rewritten after every kernel). Results: $OUT/check_package.json and the shards' JSON and
 # logs in $OUT/check_package_shards.tgz. Exit status 1 unless every kernel of the package passed.
+#
+# DONE=earlier_shards.tgz (a check_package_shards.tgz of the same package, carried under .gpu/) goes on where an
+# earlier run stopped: the kernels that passed there are skipped (`--skip-passed`), the rest are split over the
+# shards, and the report merges both runs.
 set -uo pipefail
 TGZ=$1
 OUT=${OUT:-/tmp/k3gpu}
@@ -22,15 +26,21 @@ mkdir -p "$OUT" /tmp/cp
 tar xf "$TGZ" -C /tmp/cp || exit 1
 PKG=/tmp/cp/$(tar tf "$TGZ" | head -n 1 | cut -d/ -f1)
 source tests/gpu/setup.sh "$PKG" > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
+done_json=() skip=()
+if [ -n "${DONE:-}" ]; then
+    mkdir -p "$OUT/done" && tar xzf "$DONE" -C "$OUT/done" || exit 1
+    done_json=("$OUT"/done/shard*.json)
+    skip=(--skip-passed "${done_json[@]}")
+fi
 threads=$(( $(nproc) / SHARDS ))
 for i in $(seq 1 "$SHARDS"); do
     OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 )) timeout "${LIMIT:-500}" python3 -m k3compile.cli bench-kernels \
         --package "$PKG" --check-only --seeds "${SEEDS:-2}" --shard "$i/$SHARDS" --json "$OUT/shard$i.json" \
-        ${ONLY:+--only "$ONLY"} > "$OUT/shard$i.log" 2>&1 &
+        ${ONLY:+--only "$ONLY"} "${skip[@]}" > "$OUT/shard$i.log" 2>&1 &
 done
 wait
 grep -h "^FAIL" "$OUT"/shard*.log | head -n 40
-python3 -m k3compile.bench_kernels merge "$PKG" "$OUT/check_package.json" "$OUT"/shard*.json
+python3 -m k3compile.bench_kernels merge "$PKG" "$OUT/check_package.json" "${done_json[@]}" "$OUT"/shard*.json
 status=$?
-(cd "$OUT" && tar czf check_package_shards.tgz shard*.json shard*.log && rm -f shard*.json shard*.log)  # a device call returns 8 files
+(cd "$OUT" && tar czf check_package_shards.tgz shard*.json shard*.log && rm -rf shard*.json shard*.log done)  # a device call returns 8 files
 exit $status
