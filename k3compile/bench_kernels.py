@@ -196,14 +196,17 @@ def table(result: dict) -> str:
 def merge_shards(results: list[dict], package_kernels: dict) -> dict:
     """One report from the ``--shard`` runs of a package (``results``: their JSONs, ``package_kernels``: the
     manifest's kernels): per template, kernels passed / failed / not checked (a shard cut off by its time limit,
-    or one that never wrote its file, leaves its kernels unchecked: they are listed, not counted as passed). A
-    kernel in several results (a run that went on with ``--skip-passed``) counts as the last one says."""
+    or one that never wrote its file, leaves its kernels unchecked: they are listed, not counted as passed; so does
+    a check that ran out of GPU memory, listed also under ``out_of_memory``). A kernel in several results (a run that went on with ``--skip-passed``) counts as the last one says."""
     rows = {r["kernel"]: r for res in results for r in res["kernels"]}
-    per = {}
+    per, oom = {}, []
     for name, entry in sorted(package_kernels.items()):
         t = per.setdefault(entry["template"], {"kernels": 0, "passed": 0, "failed": [], "not_checked": []})
         t["kernels"] += 1
         r = rows.get(name)
+        if r is not None and not r["ok"] and r.get("error", "").startswith("OutOfMemoryError"):
+            oom.append(name)  # shards side by side filled the GPU: the kernel never ran against its reference
+            r = None
         if r is None:
             t["not_checked"].append(name)
         elif r["ok"]:
@@ -218,7 +221,7 @@ def merge_shards(results: list[dict], package_kernels: dict) -> dict:
                 worst[key] = max(worst.get(key, 0.0), float(v))
     return {"kernels": len(package_kernels), "passed": sum(t["passed"] for t in per.values()),
             "failed": sorted(n for t in per.values() for n in t["failed"]),
-            "not_checked": sorted(n for t in per.values() for n in t["not_checked"]),
+            "not_checked": sorted(n for t in per.values() for n in t["not_checked"]), "out_of_memory": oom,
             "per_template": per, "worst_error": {f"{t}.{k}": v for (t, k), v in sorted(worst.items())},
             "device": next((res["device"] for res in results), None),
             "devices": sorted({res["device"] for res in results if res.get("device")}),
@@ -233,6 +236,9 @@ def merge_table(report: dict) -> str:
     lines.append(f"{'all':<20} {report['kernels']:>7} {report['passed']:>7} {len(report['failed']):>7} "
                  f"{len(report['not_checked']):>11}")
     lines += [f"FAILED {n}" for n in report["failed"]]
+    if report.get("out_of_memory"):
+        lines.append(f"{len(report['out_of_memory'])} kernels not checked: out of GPU memory with the shards side by "
+                     f"side. Fix: run again with fewer SHARDS and DONE=<this run's check_package_shards.tgz>")
     lines += [f"worst relative error {k}: {v:.3g}" for k, v in report["worst_error"].items()]
     return "\n".join(lines)
 

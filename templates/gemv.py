@@ -87,12 +87,37 @@ def mma_smem(m: int, warps: int, rt: int, stages: int) -> int:
     return max(stages * warps * (16 * rt + m) * 64, warps * m * 16 * rt * 4)
 
 
+# Row tiles per CTA of the tensor-core path the registers hold without spilling, by n-tiles (batch / 8): each row
+# tile costs its A fragments and nt accumulator tiles, about 20 / 22 / 27 / 50 registers a thread at batch 8 / 16 /
+# 32 / 64 (ptxas over the real config's 242 tensor-core GEMVs: batch 8 at RT 10 took 238 registers and RT 12
+# spilled 8 bytes; batch 16 at RT 9 252, RT 10 spilled; batch 32 at RT 8 with 4 warps spilled up to 104 bytes).
+# mma_split takes them only where the grid keeps its number of waves: on the H100 (BENCHMARKS.md, thirty-first
+# entry) the spill-free RT was slower wherever it added a wave (the TP8 lm_head at batch 16, 9 against 10 row
+# tiles: 138.6 against 103.9 us; TP 1 / 2 front GEMVs 4-16 %) and faster where it did not (batch 32, 7 against
+# 8: 114.4 against 119.8 us).
+MAX_RT = {1: 10, 2: 9, 4: 8, 8: 4}
+MAX_RT_4_WARPS = {4: 7}  # a grid of more than one wave (4 warps): batch 32 at RT 8 spilled, RT 7 does not
+
+
+def max_row_tiles(nt: int, warps: int = 8) -> int:
+    """The most 16-row tiles a tensor-core-path CTA takes at nt = batch / 8 n-tiles without register spills."""
+    cap = MAX_RT.get(nt, 32 // nt)
+    return min(cap, MAX_RT_4_WARPS.get(nt, cap)) if warps == 4 else cap
+
+
+def _waves(split_plan: tuple) -> int:
+    """Waves of a tensor-core-path grid: one CTA per SM at 8 warps, two at 4."""
+    warps, _, _, grid, split = split_plan
+    return math.ceil(grid * split / (SMS * (1 if warps == 8 else 2)))
+
+
 def mma_split(m: int, n: int, k: int, split: int | None = None,
               row_tiles: int | None = None) -> tuple[int, int, int, int, int]:
     """(warps, row tiles per CTA, ring stages, grid, split) of the tensor-core path at batch m, W [n, k].
 
-    About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA (capped so that the RT x m/8 MMA tiles'
-    accumulators stay <= 128 registers). The warps split each K stage into 32-element slices: 8 warps (at batch 64
+    About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA, at most ``max_row_tiles`` (no register
+    spills) unless that costs the grid a wave: then as many as shared memory holds, up to 32 / (m / 8) (128
+    accumulator registers; ptxas spills 8-104 bytes, measured faster than the extra wave, see MAX_RT). The warps split each K stage into 32-element slices: 8 warps (at batch 64
     a thread then needs 254 registers, so one CTA per SM, two warps per scheduler: the GEMVs of the K3 TP8 shard
     measured 10-20 % faster alone than with 4), or 4 where the grid needs more than one wave (two CTAs per SM:
     the lm_head's 20480 rows at batch 32 and 64); the ring is as deep as the shared-memory budget allows
@@ -113,23 +138,33 @@ def mma_split(m: int, n: int, k: int, split: int | None = None,
 
     ``split`` given: that many CTAs per cluster, each with ``split`` times the row tiles (the same number of CTAs
     as without a split, each reading 1 / split of the activations of its K range); ``row_tiles`` given: that RT
-    (capped by the registers), whatever the split."""
+    (at most 32 / (m / 8)), whatever the split."""
+    dense = _mma_split(m, n, k, split, row_tiles, lambda nt, warps: 32 // nt)
+    if row_tiles is not None:
+        return dense
+    free = _mma_split(m, n, k, split, None, max_row_tiles)
+    return free if _waves(free) <= _waves(dense) else dense
+
+
+def _mma_split(m: int, n: int, k: int, split: int | None, row_tiles: int | None, cap) -> tuple:
+    """mma_split with at most ``cap(m // 8, warps)`` row tiles per CTA."""
     nt = m // 8
-    rt = max(1, min(math.ceil(n / (16 * SMS)), 32 // nt))
+    rt = max(1, min(math.ceil(n / (16 * SMS)), cap(nt, 8)))
     kst8 = math.ceil(k / 256)  # K stages of 8 warps
     if split is None:
         split = 1
-        if ((m > 16 * rt or (m >= 8 and rt == 1)) and 2 * rt * nt <= 32 and 2 * math.ceil(n / (32 * rt)) <= SMS
+        if ((m > 16 * rt or (m >= 8 and rt == 1)) and 2 * rt <= cap(nt, 8) and 2 * math.ceil(n / (32 * rt)) <= SMS
                 and kst8 % 2 == 0 and kst8 >= 16):
             rt, split = 2 * rt, 2
         elif m > 16 * rt and 2 * math.ceil(n / (16 * rt)) <= SMS and kst8 % 2 == 0 and kst8 >= 8:
             split = 2  # a grid of half the SMs or less: twice the CTAs, each pair splitting K (same row tiles)
     else:
-        rt = min(split * rt, 32 // nt)
+        rt = min(split * rt, cap(nt, 8))
     if row_tiles is not None:
-        rt = max(1, min(row_tiles, 32 // nt))
+        rt = max(1, min(row_tiles, cap(nt, 8)))
     grid = math.ceil(n / (16 * rt))
     warps = 8 if m <= 16 or grid * split <= SMS else 4
+    rt = min(rt, cap(nt, warps))
     while rt > 1 and mma_smem(m, warps, rt, 2) > SMEM_BUDGET:  # two stages must fit (large N: more waves instead)
         rt -= 1
     grid = math.ceil(n / (16 * rt))
@@ -285,6 +320,10 @@ class Gemv(Template):
         # lm_head: final RMSNorm + this rank's vocab shard, fp32 logits
         ex["k3tp8_lmhead_b1"] = {"bucket": 1, "n": k3.vocab_size // tp, "k": k3.hidden_size,
                                  "n_f32": k3.vocab_size // tp, "pro": "rms_norm", "eps": k3.rms_norm_eps}
+        # the lm_head on the tensor cores at batch 32, a grid of more than one SM's worth (4 warps): 7 row tiles,
+        # the most a CTA holds without spilling (8 spilled 104 bytes)
+        ex["k3tp8_lmhead_b32"] = {"bucket": 32, "n": k3.vocab_size // tp, "k": k3.hidden_size,
+                                  "n_f32": k3.vocab_size // tp}
         # K not a multiple of 256 (a partial last K step): k3-mini's 128-wide latent/q_lora RMSNorm GEMVs and
         # the dense layer's SiTU down-projection at TP8 (33792 / 8 = 4224 inputs)
         ex["mini_rmsnorm_k128_b2"] = {"bucket": 2, "n": mini.hidden_size, "k": 128, "pro": "rms_norm",

@@ -29,6 +29,8 @@ DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
 # 128 registers a thread: no spill since the decode reads prepacked codes)
+WIDE_MAX_STAGES = 3  # its ring: a fourth k-step in flight spilled 8-16 bytes at those 128 registers (batch 2 and 4,
+# every TP of the real config; 121 registers at 3 stages)
 XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in shared memory up to this size
 RING_MAX_STAGES = 4  # moe_gate_up's ring when the activations travel in it (batch >= 16 at K3), at 2 CTAs per
 # SM: at K3 batch 64 a fifth stage measured slower (298 against 286 us alone, in a variant that read moe_route's
@@ -177,6 +179,12 @@ class MoeGateUp(_RoutedExperts):
     doc = ("router top-k + MXFP4 gate/up + SiTU-GLU, grouped by expert: each selected expert decoded once, "
            "its tokens the N of mma.sync (bf16, fp32 accumulate); persistent CTAs")
 
+    def examples(self):
+        ex = super().examples()
+        # batch 2: 16 warps at 128 registers a thread, WIDE_MAX_STAGES k-steps in flight (a fourth spilled)
+        ex["k3tp8_b2"] = {"bucket": 2, **_K3TP8, **_ROUTING, **_SITU}
+        return ex
+
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
                   ksplit: int | None = None, occ: int | None = None, stages: int | None = None) -> list:
@@ -214,8 +222,8 @@ class MoeGateUp(_RoutedExperts):
                     ksplit *= 2
         need(steps >= ksplit, f"{self.name}: ksplit={ksplit} needs latent >= {128 * ksplit} (a k-step per warp)")
         # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
-        # share of the steps, at most 8, RING_MAX_STAGES with the activations in it); a stage is 32 lanes x
-        # ((4 or 8) x 16 + 4 x 4) bytes (weights, the activations unless staged, scales; one lane of each quad
+        # share of the steps, at most 8, WIDE_MAX_STAGES at 16 warps, RING_MAX_STAGES with the activations in
+        # it); a stage is 32 lanes x ((4 or 8) x 16 + 4 x 4) bytes (weights, the activations unless staged, scales; one lane of each quad
         # copying each scale word, as moe_down_combine does, measured no faster at batch 1 and 8 and 3.5 % slower
         # per byte at 64: 267.7 us for 479 MB against 242.1 for 448, alone). With 4-warp CTAs and
         # staged activations, 3 per SM or 2 with a deeper ring: whichever keeps more k-steps in flight per SM
@@ -229,7 +237,8 @@ class MoeGateUp(_RoutedExperts):
         options = []
         for occ in occs:
             room = (SMEM_PER_SM // occ - 1024 - fixed) // per_stage
-            want = min(8 if xstage else RING_MAX_STAGES, my_steps, room) if stages is None else stages
+            most = WIDE_MAX_STAGES if wide else 8 if xstage else RING_MAX_STAGES
+            want = min(most, my_steps, room) if stages is None else stages
             if room >= max(want, min(2, my_steps)):
                 options.append((occ * wpc * (want - 1), occ, want))
         need(bool(options) or stages is None, f"{self.name}: stages={stages} do not fit in shared memory at "

@@ -514,3 +514,9 @@ def test_bench_kernels_goes_on_where_an_earlier_check_stopped(tmp_path):
     assert (report["passed"], report["failed"], report["not_checked"]) == (3, [], [])
     assert report["devices"] == ["H100", "H200"]
     assert bench_kernels.merge_shards([late, early], kernels)["failed"] == ["gemv_b"]
+    # a check that ran out of GPU memory (shards side by side on one card) is not a wrong kernel: not checked
+    late["kernels"][1] = {"kernel": "gemv_c", "template": "gemv", "ok": False,
+                          "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.59 GiB"}
+    report = bench_kernels.merge_shards([early, late], kernels)
+    assert (report["failed"], report["not_checked"], report["out_of_memory"]) == ([], ["gemv_c"], ["gemv_c"])
+    assert "Fix: run again with fewer SHARDS and DONE=" in bench_kernels.merge_table(report)

@@ -14,7 +14,8 @@ from k3compile import build
 from k3compile.audit import audit_point
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, kernel_layout, mma_split
+from templates.gemv import (MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, kernel_layout, max_row_tiles,
+                            mma_split)
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -30,7 +31,10 @@ def test_tensor_cores_from_bucket_8_for_plain_gemvs_only():
         assert c["MMA"] == (c["M"] >= 8 and c["PRO"] == "none" and c["K"] % 128 == 0), label
         if c["MMA"]:  # about one CTA per SM, every CTA inside the shared-memory budget
             assert c["GRID"] == -(-c["N"] // (16 * c["RT"])), label
-            assert c["GRID"] * c["SPLIT"] <= SMS or c["RT"] * c["M"] // 8 == 32, label  # only the accumulator cap
+            # more than one wave only at the most row tiles the registers hold (or shared memory: two stages)
+            smem2 = c["WARPS"] * max(c["M"] * 16 * (c["RT"] + 1) * 4, 2 * (16 * (c["RT"] + 1) + c["M"]) * 64)
+            assert (c["GRID"] * c["SPLIT"] <= SMS or c["RT"] == max_row_tiles(c["M"] // 8, c["WARPS"])
+                    or smem2 > SMEM_BUDGET), label
             # the fp32 partial sums reuse the ring's bytes (weights and activations) after the K loop
             smem = c["WARPS"] * max(c["M"] * 16 * c["RT"] * 4, c["STAGES"] * (16 * c["RT"] + c["M"]) * 64)
             assert smem <= SMEM_BUDGET and 2 <= c["STAGES"] <= MAX_STAGES, label
@@ -51,6 +55,10 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
             warps, rt, stages, grid, split = mma_split(m, n, k)
             smem = warps * max(m * 16 * rt * 4, stages * (16 * rt + m) * 64)
             assert smem <= SMEM_BUDGET and 2 <= stages <= MAX_STAGES and rt * m // 8 <= 32, (m, n, k, rt, stages)
+            # past the spill-free row tiles only where those would cost the grid a wave
+            free = max_row_tiles(m // 8, warps)
+            assert rt <= free or -(-n // (16 * free)) * split > SMS * (1 if warps == 8 else 2) * -(
+                -grid * split // (SMS * (1 if warps == 8 else 2))), (m, n, k, rt, grid)
             # 8 warps (two per scheduler) unless the grid takes more than one wave: then 4, two CTAs per SM
             assert warps == (8 if m <= 16 or grid * split <= SMS else 4), (m, n, k, warps, grid)
             assert grid * split <= SMS or 2 * smem <= SMEM_BUDGET or stages == 2, (m, n, k, smem)
@@ -68,6 +76,15 @@ def test_tensor_core_split_fits_shared_memory_at_every_real_shape():
     assert mma_split(64, 896, 3584)[1:] == (1, 5, 56, 2) and mma_split(8, 896, 3584)[3:] == (56, 1)
     assert mma_split(8, 2096, 7168, split=4)[1:] == (4, 6, 33, 4)  # the knob: 4 x the row tiles, a quarter of K
     assert mma_split(64, 2304, 1536, split=1, row_tiles=1)[1] == 1
+    # as many row tiles as the registers hold without spilling (max_row_tiles) where the grid keeps its waves: the
+    # TP8 lm_head at batch 32 (7, not 8: 183 CTAs at two per SM, one wave either way; measured faster) ...
+    assert mma_split(32, 20480, 7168)[:2] == (4, 7) and max_row_tiles(4, 4) == 7
+    # ... else as many as shared memory holds (batch 16: 9 row tiles would take 143 CTAs, a second wave; measured
+    # 33 % slower than spilling 8 bytes at 10), up to 128 accumulator registers
+    assert mma_split(16, 20480, 7168)[:2] == (8, 10) and max_row_tiles(2) == 9
+    assert mma_split(8, 163840, 7168)[:2] == (8, 13)  # shared memory: 788 CTAs, 1024 at the spill-free 10
+    assert mma_split(8, 163840, 7168, row_tiles=10)[:2] == (8, 10)  # the knob (an A/B) ...
+    assert mma_split(8, 163840, 7168, row_tiles=40)[1] == 13  # ... up to what shared memory holds
 
 
 def test_split_knobs_are_checked():
