@@ -197,7 +197,9 @@ def merge_shards(results: list[dict], package_kernels: dict) -> dict:
     """One report from the ``--shard`` runs of a package (``results``: their JSONs, ``package_kernels``: the
     manifest's kernels): per template, kernels passed / failed / not checked (a shard cut off by its time limit,
     or one that never wrote its file, leaves its kernels unchecked: they are listed, not counted as passed; so does
-    a check that ran out of GPU memory, listed also under ``out_of_memory``). A kernel in several results (a run that went on with ``--skip-passed``) counts as the last one says."""
+    a check that ran out of GPU memory, listed also under ``out_of_memory``). A kernel in several results (a run
+    that went on with ``--skip-passed``) counts as the latest says (by the results' dates, else their order)."""
+    results = sorted(results, key=lambda res: res.get("date", ""))  # stable: undated ones keep their order
     rows = {r["kernel"]: r for res in results for r in res["kernels"]}
     per, oom = {}, []
     for name, entry in sorted(package_kernels.items()):

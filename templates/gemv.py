@@ -117,7 +117,8 @@ def mma_split(m: int, n: int, k: int, split: int | None = None,
 
     About one CTA per SM: RT = ceil(n / (16 * SMS)) row tiles per CTA, at most ``max_row_tiles`` (no register
     spills) unless that costs the grid a wave: then as many as shared memory holds, up to 32 / (m / 8) (128
-    accumulator registers; ptxas spills 8-104 bytes, measured faster than the extra wave, see MAX_RT). The warps split each K stage into 32-element slices: 8 warps (at batch 64
+    accumulator registers; ptxas spills 8-104 bytes, measured faster than the extra wave, see MAX_RT). The
+    warps split each K stage into 32-element slices: 8 warps (at batch 64
     a thread then needs 254 registers, so one CTA per SM, two warps per scheduler: the GEMVs of the K3 TP8 shard
     measured 10-20 % faster alone than with 4), or 4 where the grid needs more than one wave (two CTAs per SM:
     the lm_head's 20480 rows at batch 32 and 64); the ring is as deep as the shared-memory budget allows

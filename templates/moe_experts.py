@@ -223,10 +223,10 @@ class MoeGateUp(_RoutedExperts):
         need(steps >= ksplit, f"{self.name}: ksplit={ksplit} needs latent >= {128 * ksplit} (a k-step per warp)")
         # the cp.async ring: as many k-steps per warp as OCC CTAs' shared memory allows (at most the warp's
         # share of the steps, at most 8, WIDE_MAX_STAGES at 16 warps, RING_MAX_STAGES with the activations in
-        # it); a stage is 32 lanes x ((4 or 8) x 16 + 4 x 4) bytes (weights, the activations unless staged, scales; one lane of each quad
-        # copying each scale word, as moe_down_combine does, measured no faster at batch 1 and 8 and 3.5 % slower
-        # per byte at 64: 267.7 us for 479 MB against 242.1 for 448, alone). With 4-warp CTAs and
-        # staged activations, 3 per SM or 2 with a deeper ring: whichever keeps more k-steps in flight per SM
+        # it); a stage is 32 lanes x ((4 or 8) x 16 + 4 x 4) bytes (weights, the activations unless staged,
+        # scales; one lane of each quad copying each scale word, as moe_down_combine does, measured no faster
+        # at batch 1 and 8 and 3.5 % slower per byte at 64: 267.7 us for 479 MB against 242.1 for 448, alone).
+        # With 4-warp CTAs and staged activations, 3 per SM or 2 with a deeper ring: whichever keeps more k-steps in flight per SM
         # (the one being decoded does not count); with the activations in the ring, 2 per SM (measured).
         p, maxa = bucket * top_k, min(n_experts, bucket * top_k)
         mask = n_experts * ((bucket + 31) // 32)  # group_pairs' token masks

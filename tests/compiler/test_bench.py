@@ -514,6 +514,9 @@ def test_bench_kernels_goes_on_where_an_earlier_check_stopped(tmp_path):
     assert (report["passed"], report["failed"], report["not_checked"]) == (3, [], [])
     assert report["devices"] == ["H100", "H200"]
     assert bench_kernels.merge_shards([late, early], kernels)["failed"] == ["gemv_b"]
+    # runs with dates (every bench-kernels JSON has one) count by date, whatever the order of the files
+    dated = [{**late, "date": "2026-12-05 17:25:00"}, {**early, "date": "2026-12-05 14:00:00"}]
+    assert bench_kernels.merge_shards(dated, kernels)["failed"] == []
     # a check that ran out of GPU memory (shards side by side on one card) is not a wrong kernel: not checked
     late["kernels"][1] = {"kernel": "gemv_c", "template": "gemv", "ok": False,
                           "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.59 GiB"}

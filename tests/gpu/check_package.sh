@@ -19,7 +19,8 @@
 #
 # DONE=earlier_shards.tgz (a check_package_shards.tgz of the same package, carried under .gpu/) goes on where an
 # earlier run stopped: the kernels that passed there are skipped (`--skip-passed`), the rest are split over the
-# shards, and the report merges both runs.
+# shards, and the report merges both runs (a kernel in both counts as the later run says); this run's
+# check_package_shards.tgz carries the earlier files too (as shard0_*), so it serves as DONE for the next run.
 set -uo pipefail
 TGZ=$1
 OUT=${OUT:-/tmp/k3gpu}
@@ -44,5 +45,7 @@ wait
 grep -h "^FAIL" "$OUT"/shard*.log | head -n 40
 python3 -m k3compile.bench_kernels merge "$PKG" "$OUT/check_package.json" "${done_json[@]}" "$OUT"/shard*.json
 status=$?
+i=0
+for f in "${done_json[@]}"; do i=$((i + 1)); mv "$f" "$OUT/shard0_$i.json"; done  # carried on for the next DONE
 (cd "$OUT" && tar czf check_package_shards.tgz shard*.json shard*.log && rm -rf shard*.json shard*.log done)  # a device call returns 8 files
 exit $status
