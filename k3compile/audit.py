@@ -6,7 +6,9 @@ reads done). So before the wait a kernel may touch **static weights only** (load
 L2): an activation, decode state, output or workspace read earlier can see stale data, and a store
 earlier can overwrite what the previous kernel still reads. That is exactly the bug a compiler once introduced by
 hoisting an activation read above a synchronization wait; it passes every test that happens to run the
-kernels back to back slowly enough.
+kernels back to back slowly enough. A kernel also releases its dependents (``griddepcontrol.launch_dependents``)
+only after its wait: then a kernel that starts early finds every kernel before its predecessor complete, and
+the waits form one chain.
 
 How the audit decides, per kernel entry in the PTX:
 
@@ -16,7 +18,8 @@ How the audit decides, per kernel entry in the PTX:
 3. every global memory access (``ld``/``st`` outside param/shared/local/const space, ``cp.async``,
    ``prefetch``, ``atom``/``red``) that appears before the entry's first ``griddepcontrol.wait`` must use an address
    computed from weight parameters only;
-4. an entry that reads any non-weight argument must contain a ``griddepcontrol.wait`` at all.
+4. an entry that reads any non-weight argument must contain a ``griddepcontrol.wait`` at all;
+5. no ``griddepcontrol.launch_dependents`` comes before the entry's first ``griddepcontrol.wait``.
 
 It is a static, conservative check of program text order: straight-line prologues are what it judges.
 """
@@ -41,6 +44,9 @@ class Violation:
     args: list[str]
 
     def __str__(self) -> str:
+        if self.instruction.startswith("griddepcontrol.launch_dependents"):
+            return (f"{self.entry}: line {self.line}: `{self.instruction}` releases the next kernel before "
+                    f"griddepcontrol.wait (it could start before the kernel ahead of this one completed)")
         verb = ("writes" if self.instruction.startswith("st.") else
                 "accesses" if self.instruction.startswith("(") else "reads")
         return (f"{self.entry}: line {self.line}: `{self.instruction}` {verb} {', '.join(self.args)} before "
@@ -142,6 +148,9 @@ def audit_ptx(ptx: str, entry_params: list[list[str]], weights: set[str]) -> Aud
                 continue
             if line.startswith("griddepcontrol.wait"):
                 waited = True
+                continue
+            if line.startswith("griddepcontrol.launch_dependents") and not waited:
+                rep.violations.append(Violation(name, first_line + k, "griddepcontrol.launch_dependents", []))
                 continue
             line = re.sub(r"^@!?%\w+\s+", "", line)
             op, _, rest = line.partition(" ")

@@ -633,8 +633,8 @@ def summary(manifest: dict) -> str:
                      + ("; the manifest's ptxas entries name them" if spills else ""))
         bad = [n for n, k in manifest["kernels"].items() if not k["audit"]["ok"]]
         n_all = len(manifest["kernels"])
-        lines.append(f"  memory-ordering audit (PTX: only weights read, nothing written, before "
-                     f"griddepcontrol.wait): {n_all - len(bad)} of {n_all} kernels pass")
+        lines.append(f"  memory-ordering audit (PTX: only weights read, nothing written and no dependent "
+                     f"released before griddepcontrol.wait): {n_all - len(bad)} of {n_all} kernels pass")
         for n in bad:
             lines += [f"  audit FAILED: {p}" for p in manifest["kernels"][n]["audit"]["problems"]]
     lines.append(f"  coverage: {cov['covered']} of {cov['plan_launches']} plan launches have kernels")

@@ -1,7 +1,8 @@
 """The memory-ordering audit (k3compile.audit) on real compiled PTX: a kernel with an activation read
 hoisted above griddepcontrol.wait (the planted bug) is caught, so is an output store hoisted above it
 (under PDL the previous kernel may still read that buffer), the same kernel with the read after the wait
-passes, and a kernel that reads activations without any wait is caught. (That every generated
+passes, a kernel that reads activations without any wait is caught, and so is one that releases its
+dependents before its wait. (That every generated
 k3-mini kernel passes is checked in test_codegen.py.)"""
 
 
@@ -45,7 +46,10 @@ def ptx(tmp_path_factory):
                 "store_hoisted": KERNEL.format(before=READ_X.replace("mX[i]", "mW[i + 1]") + "\n" + STORE_Y, after="",
                                                store=""),
                 "no_wait": KERNEL.format(before="", after=READ_X, store="").replace(
-                    "        cute.arch.griddepcontrol_wait()\n", "")}
+                    "        cute.arch.griddepcontrol_wait()\n", ""),
+                "early_release": KERNEL.format(before="", after=READ_X, store="").replace(
+                    "        cute.arch.griddepcontrol_wait()\n        cute.arch.griddepcontrol_launch_dependents()\n",
+                    "        cute.arch.griddepcontrol_launch_dependents()\n        cute.arch.griddepcontrol_wait()\n")}
     jobs = [build.Job(f"audit_{k}", src, ARGS, "sm_90a", False) for k, src in variants.items()]
     out = tmp_path_factory.mktemp("audit")
     build.build(jobs, out)
@@ -76,6 +80,15 @@ def test_activation_reads_without_any_wait_are_caught(ptx):
     rep = audit_ptx(ptx["no_wait"], PARAMS, WEIGHTS)
     assert not rep.ok
     assert any("(no griddepcontrol.wait in the kernel)` accesses x, y before" in p for p in rep.problems())
+
+
+def test_releasing_dependents_before_the_wait_is_caught(ptx):
+    """A kernel that releases its dependents before its own wait lets the next kernel start before the kernel
+    ahead of this one completed: caught."""
+    assert "launch_dependents;\n" in ptx["early_release"].split("griddepcontrol.wait")[0]
+    rep = audit_ptx(ptx["early_release"], PARAMS, WEIGHTS)
+    (problem,) = rep.problems()
+    assert "`griddepcontrol.launch_dependents` releases the next kernel before griddepcontrol.wait" in problem
 
 
 def test_roles_matter(ptx):
