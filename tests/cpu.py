@@ -4,7 +4,8 @@ group (the TP tests on machines without GPUs)."""
 from __future__ import annotations
 
 import contextlib
-import socket
+import datetime
+import tempfile
 
 import torch
 import torch.multiprocessing as mp
@@ -22,13 +23,10 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+GLOO_TIMEOUT = datetime.timedelta(minutes=4)  # a rank stuck in the rendezvous or a collective raises by then
 
 
-def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, init: str, args: tuple) -> None:
     """One rank: ``fn`` in a gloo group, then a barrier and an exit without the gloo teardown.
 
     ``destroy_process_group()`` (and the interpreter's own teardown of a live gloo group) while a peer
@@ -41,7 +39,7 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
     from k3compile.comm import leave
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=GLOO_TIMEOUT)
     torch.set_num_threads(1)  # `world` processes share the machine's cores
     fn(rank, world, *args)
     leave(0)
@@ -49,5 +47,10 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
 def run_gloo(fn, world: int, *args) -> None:
     """``fn(rank, world, *args)`` in every rank; raises if any rank fails. ``fn`` must be importable
-    (a module-level function) because ranks are spawned."""
-    mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True, start_method="spawn")
+    (a module-level function) because ranks are spawned. The ranks meet through a file store of their own
+    (a fresh directory), not a TCP port: a port picked free and released before rank 0 binds it can be taken
+    by another test's group running beside this one (pytest-xdist), whose store the other ranks then join
+    (one CI run hung 900 s in test_tp2_gloo_matches_eager, passing alone in 60 s)."""
+    with tempfile.TemporaryDirectory(prefix="k3gloo") as d:
+        mp.start_processes(_entry, args=(fn, world, f"file://{d}/store", args), nprocs=world, join=True,
+                           start_method="spawn")
