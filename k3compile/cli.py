@@ -108,6 +108,12 @@ def cmd_codegen(args) -> int:
         cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch,
                          max_context=args.max_context, batch_invariant=args.batch_invariant,
                          l2_prefetch=args.l2_prefetch << 20)
+    if args.skip_passed:
+        from .bench_kernels import passed_in
+
+        gone = cg.skip_passed(passed_in(args.skip_passed))
+        print(f"left out {gone} kernels that passed in {', '.join(args.skip_passed)}: {len(cg.points)} kernels to "
+              f"check (a package for a GPU check, not for serving)")
     manifest = write(cg, Path(args.out), compile=not args.no_compile, package=args.package, workers=args.jobs)
     print(summary(manifest))
     print(f"wrote {args.out}/manifest.json and {len(manifest['kernels'])} kernel sources"
@@ -216,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weights a GEMV may pull into L2 while the kernel before it runs, at most (MiB; what fits "
                          "beside the previous kernel's bytes in 40 of the H200's 60 MB L2). Default 0: only its "
                          "first vectors (24 measured no faster on the H200)")
+    cg.add_argument("--skip-passed", metavar="JSON", nargs="+",
+                    help="leave out the kernels that passed in these bench-kernels JSONs (e.g. the shard files of "
+                         "check_package.sh): a package of only the kernels a change made, for the GPU check")
     cg.set_defaults(func=cmd_codegen)
     bk = sub.add_parser("bench-kernels", help="check and time every kernel of a package on the GPU",
                         description="For every kernel of a prebuilt package (codegen --package, e.g. --examples): "

@@ -382,6 +382,18 @@ class Codegen:
     max_context: int = 0  # MLA cache capacity the kernels serve (plan mode)
     batch_invariant: bool = False  # every bucket reduces a row in bucket 1's order (lower_node)
     l2_prefetch: int = PREFETCH_MAX  # weights a GEMV may pull into L2 ahead of its wait, at most (lower_node)
+    skipped_passed: int = 0  # kernels left out because an earlier GPU check passed them (skip_passed)
+
+    def skip_passed(self, done: set[str]) -> int:
+        """Leave out the kernels named in ``done`` (kernel names are source hashes: a name that passed a GPU check
+        is that very kernel); the package then holds only the rest, for a GPU check rather than for serving (the
+        plan part of the manifest still names every kernel). Returns how many went."""
+        gone = [n for n in self.points if n in done]
+        for n in gone:
+            del self.points[n]
+            self.params.pop(n, None)
+        self.skipped_passed += len(gone)
+        return len(gone)
 
     def uncovered(self) -> list[Entry]:
         return [e for e in self.entries if e.uncovered]
@@ -604,7 +616,7 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, audits: dict, *, compil
     unc = cg.uncovered()
     return {"manifest_version": MANIFEST_VERSION, "config": cg.config, "arch": cg.arch, "tp": list(cg.tps),
             "buckets": list(cg.buckets), "max_context": cg.max_context, "batch_invariant": cg.batch_invariant,
-            "l2_prefetch": cg.l2_prefetch,
+            "l2_prefetch": cg.l2_prefetch, **({"skipped_passed": cg.skipped_passed} if cg.skipped_passed else {}),
             "versions": versions() if compiled else {}, "compiled": compiled,
             "packaged": packaged, "kernels": kernels, "plan": plan,
             "coverage": {"plan_launches": len(cg.entries), "covered": len(cg.entries) - len(unc),

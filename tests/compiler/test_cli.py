@@ -104,6 +104,27 @@ def test_codegen_sources_only(tmp_path, capsys):
     assert "coverage: " in text and all((out / "kernels" / n / "kernel.py").exists() for n in m["kernels"])
 
 
+def test_codegen_skip_passed_leaves_out_the_kernels_a_gpu_check_passed(tmp_path, capsys):
+    """--skip-passed: a package of only the kernels no earlier check passed (names are source hashes), so a
+    change's kernels are checked without rebuilding and carrying the rest; the manifest says how many went."""
+    import json
+
+    full = tmp_path / "full"
+    assert main(["codegen", "--config", "k3_mini", "--tp", "1", "--buckets", "1", "--no-compile", "-o", str(full)]) == 0
+    names = sorted(json.loads((full / "manifest.json").read_text())["kernels"])
+    passed = {"kernels": [{"kernel": n, "ok": True} for n in names[:3]] + [{"kernel": names[3], "ok": False}]}
+    shard = tmp_path / "shard1.json"
+    shard.write_text(json.dumps(passed))
+    capsys.readouterr()
+    part = tmp_path / "part"
+    assert main(["codegen", "--config", "k3_mini", "--tp", "1", "--buckets", "1", "--no-compile", "-o", str(part),
+                 "--skip-passed", str(shard)]) == 0
+    m = json.loads((part / "manifest.json").read_text())
+    assert sorted(m["kernels"]) == names[3:] and m["skipped_passed"] == 3  # a failed one is checked again
+    assert f"left out 3 kernels that passed in {shard}" in capsys.readouterr().out
+    assert "skipped_passed" not in json.loads((full / "manifest.json").read_text())
+
+
 def test_codegen_bad_input_names_problem_and_fix(tmp_path, capsys):
     cases = [
         (["--tp", "3"], "3"),
