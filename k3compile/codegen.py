@@ -334,8 +334,10 @@ def batch_invariant_specs(specs: list) -> list:
     from .templates.mla_decode import default_chunk_min, default_splits
     from .templates.residual_attn_res import default_cluster
 
-    specs = [(t, {**params, "ksplit": 1}) if t == "moe_gate_up" else (t, dict(params)) for t, params in specs]
-    # ^ bucket 1 would split each expert's reduction over two warps, larger buckets do not
+    specs = [(t, {**params, "ksplit": 1, "diag": False}) if t == "moe_gate_up" else (t, dict(params))
+             for t, params in specs]
+    # ^ bucket 1 would split each expert's reduction over two warps and sum each MX block apart (DIAG), larger
+    # buckets do neither
     for t, params in specs:
         if t == "gemv":
             params["mma"] = False  # the tensor-core path sums K in another order than bucket 1's FMA path

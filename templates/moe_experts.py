@@ -187,8 +187,10 @@ class MoeGateUp(_RoutedExperts):
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
-                  ksplit: int | None = None, occ: int | None = None, stages: int | None = None) -> list:
-        # ksplit, occ, stages: None (chosen from the bucket and shared memory) unless an experiment fixes them
+                  ksplit: int | None = None, occ: int | None = None, stages: int | None = None,
+                  diag: bool | None = None) -> list:
+        # ksplit, occ, stages: None (chosen from the bucket and shared memory) unless an experiment fixes them;
+        # diag: None is batch 1 (False: codegen --batch-invariant, every bucket sums a row in one order)
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
@@ -208,6 +210,10 @@ class MoeGateUp(_RoutedExperts):
         # each lane's token block in the cp.async ring with the weights (4-warp CTAs, 2 or 3 per SM).
         xstage = bucket * latent * 2 <= XSTAGE_MAX_BYTES
         wide = xstage and bucket > 1
+        need(diag in (None, False) or (bucket == 1 and xstage),
+             f"{self.name}: diag=True needs batch 1 with the activations staged (latent <= {XSTAGE_MAX_BYTES // 2}); "
+             f"got bucket {bucket}, latent {latent}")
+        diag = bucket == 1 and xstage if diag is None else diag
         wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2) if xstage else (2,))
         occs = occs if occ is None else (occ,)
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
@@ -232,6 +238,7 @@ class MoeGateUp(_RoutedExperts):
         mask = n_experts * ((bucket + 31) // 32)  # group_pairs' token masks
         fixed = 4 * (2 * p + mask + n_experts + 3 * maxa + 2 * wpc) + 4 * wpc * 256 + 1024  # grouping, sRed, pad
         fixed += bucket * (latent * 2 + 16) if xstage else 16  # the staged rows (16 bytes of padding each)
+        fixed += 64 if diag else 0  # DIAG's block of zero activations
         per_stage = wpc * 32 * ((4 if xstage else 8) * 16 + 4 * 4)
         my_steps = -(-steps // ksplit)
         options = []
@@ -264,7 +271,9 @@ class MoeGateUp(_RoutedExperts):
                 const("XSTAGE", xstage, "every token's activations staged in shared memory once per CTA (else "
                                         "they travel in the ring)"),
                 const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
-                                                            f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA")]
+                                                            f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA"),
+                const("DIAG", bool(diag), "batch 1: the MMA's 8 columns hold 8 MX blocks, each scale applied once "
+                                          "to its column's sums")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

@@ -52,6 +52,18 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    it (rare; a branch inside the step is predicated by the compiler, both forms issuing on every step: 64 of
    536 instructions). So every E8M0 byte is exact. The epilogue rounds gate
    and up to bf16, applies SiTU-GLU and writes h for each (token, slot) column.
+
+   DIAG (batch 1, one token: 7 of the MMA's 8 columns would be zero): the columns hold MX blocks instead. The
+   codes go into the MMA unscaled (block_mma_raw: no packed multiply, 64 of a k-step's instructions),
+   and lane (g, t) passes its block's activations as column g's only where g = t + 4 (i % 2) (i the warp's
+   k-step), zeros (a 64-byte zero row in shared memory) elsewhere. So column c of the window of k-steps i, i + 1
+   sums block c (step i) or c - 4 (step i + 1) of each row, never two blocks, and after the window each lane
+   multiplies its 2 columns' sums of rows g, g + 8 by their blocks' factors 2**(s - 33) (one fp32 built from the
+   scale byte) into its row partials (8 multiply-adds per two k-steps instead of 128 packed multiplies); the quad
+   adds its 4 lanes' partials at the end. The staged activations are prescaled by 2**32 once per CTA (exact), which
+   keeps every product of an unscaled code (as small as 2**-127) normal in fp32. A scale byte above 160 makes the
+   task run again with each factor split in two (2**(min(s, 160) - 33) * 2**(max(s, 160) - 160)): exact for
+   every byte, as the other path.
 """
 
 import cutlass
@@ -61,7 +73,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, routing_weight,
                                                  select_topk, sigmoid, store_groups)
-from k3compile.templates.kernels.mxfp4_lib import scale_big_bits, scale_pair, scale_pair_selector
+from k3compile.templates.kernels.mxfp4_lib import (bf16x2_mul, decode_e2m1x8_packed, mma_bf16_16816, prmt,
+                                                   scale_big_bits, scale_pair, scale_pair_selector)
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -81,6 +94,7 @@ OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
 XSTAGE = True  # every token's activations staged in shared memory once per CTA (else they travel in the ring)
 ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
+DIAG = False  # batch 1: the MMA's 8 columns hold 8 MX blocks, each scale applied once to its column's sums
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -96,6 +110,12 @@ EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
 XROW = L // 2 + 4  # words per staged token row (16 bytes of padding: rows start 4 banks apart)
+DIAG_X_EXP = 32  # DIAG: the staged activations are prescaled by 2**DIAG_X_EXP (exact below 2**96 in magnitude), so
+# the products of the unscaled codes (e2m1 * 2**-126) with them stay normal in fp32
+DIAG_X = ((127 + DIAG_X_EXP) << 7) * 0x10001  # 2**DIAG_X_EXP in both bf16 halves
+DIAG_FACTOR_BIAS = 127 - 126 + DIAG_X_EXP  # a block's factor 2**(s - 127 + 126 - DIAG_X_EXP) = 2**(s - 33) ...
+DIAG_MAX_SCALE = 254 - 127 + DIAG_FACTOR_BIAS  # ... is one fp32 (exponent field s + 94) up to this scale byte, 160;
+# above it (a block scale of 2**34 or more) the task runs again with the factor split in two
 
 
 def _situ(gate, up):
@@ -104,6 +124,22 @@ def _situ(gate, up):
     u = up.to(BFloat16).to(Float32)
     act = Float32(BETA) * cute.math.tanh(g / Float32(BETA)) * sigmoid(g)
     return (act * (Float32(LINEAR_BETA) * cute.math.tanh(u / Float32(LINEAR_BETA)))).to(BFloat16)
+
+
+@cute.jit
+def block_mma_raw(rW: cute.Tensor, w0: cutlass.Constexpr, rX: cute.Tensor, acc: cute.Tensor, a0: cutlass.Constexpr):
+    """moe_lib.block_mma without the scale (DIAG): the decoded codes (e2m1 * 2**-126 as bf16; the code 0.5 is a
+    bf16 subnormal, which the tensor cores take exactly) go into the MMA as they are, and the caller applies each
+    (row, block) scale to the accumulators. Same fragments and K permutation as block_mma."""
+    for wi in cutlass.range_constexpr(4):
+        xb = [rX[4 * wi + j] for j in range(4)]
+        dg = decode_e2m1x8_packed(rW[w0 + wi])
+        dh = decode_e2m1x8_packed(rW[w0 + 4 + wi])
+        for half in cutlass.range_constexpr(2):
+            c = mma_bf16_16816((dg[2 * half], dh[2 * half], dg[2 * half + 1], dh[2 * half + 1]),
+                               (xb[2 * half], xb[2 * half + 1]), (acc[a0], acc[a0 + 1], acc[a0 + 2], acc[a0 + 3]))
+            for i in cutlass.range_constexpr(4):
+                acc[a0 + i] = c[i]
 
 
 class Kernel:
@@ -171,6 +207,18 @@ class Kernel:
                 c = v % (L // 8)
                 cute.copy(big, cute.local_tile(mZq[m, None], (4,), (c,)), cute.local_tile(sX[m, None], (4,), (c,)))
             cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def prescale_x(self, sX: cute.Tensor, sZ: cute.Tensor, tid):
+        """DIAG: the staged activations times 2**DIAG_X_EXP (exact), each thread the chunks it copied itself in
+        stage_x (its own cp.async copies have landed: no barrier needed); and the zero block."""
+        for v in cutlass.range(tid, M * (L // 8), THREADS, unroll=1):
+            m = v // (L // 8)
+            c = v % (L // 8)
+            for q in cutlass.range_constexpr(4):
+                sX[m, 4 * c + q] = bf16x2_mul(sX[m, 4 * c + q], Uint32(DIAG_X))
+        if tid < 16:
+            sZ[tid] = Uint32(0)
 
     @cute.jit
     def issue_step(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor,
@@ -247,6 +295,75 @@ class Kernel:
             block_mma(rW, 8, rS[2], rS[3], rX, acc, 4, second)  # up: W3 rows g, g + 8
         return big
 
+    @cute.jit
+    def drain(self, second: cutlass.Constexpr, cw: cute.Tensor, rSw: cute.Tensor, rP: cute.Tensor, sel0, sel1) \
+            -> Uint32:
+        """DIAG: the window's column sums cw (gate c0..c3, up c0..c3: rows g, g + 8 x this lane's columns 2t,
+        2t + 1) times their blocks' factors, into the lane's row partials rP (gate g, gate g + 8, up g, up g + 8).
+        rSw holds the scale words of the k-step that filled this lane's columns (rows as issue_step's r); sel0 /
+        sel1 take the columns' bytes out of them (prmt). Without ``second`` the factor is one fp32 2**(s - 33),
+        exact up to DIAG_MAX_SCALE; returns the OR of its exponent field + 1 (bit 31 set: a byte above it, the task
+        needs ``second``, which splits the factor in two)."""
+        big = Uint32(0)
+        for r in cutlass.range_constexpr(4):  # W1 g, W1 g + 8, W3 g, W3 g + 8: cw[4 * (r // 2) + 2 * (r % 2) + u]
+            for u in cutlass.range_constexpr(2):
+                sb = prmt(rSw[r], Uint32(0), sel0 if u == 0 else sel1)
+                v = cw[4 * (r // 2) + 2 * (r % 2) + u]
+                if cutlass.const_expr(second):
+                    f1 = ((cutlass.min(sb, Uint32(DIAG_MAX_SCALE)) + Uint32(254 - DIAG_MAX_SCALE)) << Uint32(23))
+                    f2 = ((cutlass.max(sb, Uint32(DIAG_MAX_SCALE)) - Uint32(DIAG_MAX_SCALE - 127)) << Uint32(23))
+                    rP[r] = rP[r] + (v * f2.bitcast(Float32)) * f1.bitcast(Float32)
+                else:
+                    fb = sb * Uint32(1 << 23) + Uint32((127 - DIAG_FACTOR_BIAS) << 23)
+                    big = big | (fb + Uint32(1 << 23))
+                    rP[r] = rP[r] + v * fb.bitcast(Float32)
+        return big
+
+    @cute.jit
+    def stream_diag(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
+                    mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, ks, n_my, sW: cute.Tensor, sS: cute.Tensor,
+                    sX: cute.Tensor, sZ: cute.Tensor, lane, rW: cute.Tensor, rX: cute.Tensor, rSw: cute.Tensor,
+                    cw: cute.Tensor, rP: cute.Tensor) -> Uint32:
+        """DIAG: this warp's k-steps ks, ks + KSPLIT, ... of one task (batch 1), the ring as in ``stream``; k-step
+        i fills MMA columns 4 (i % 2) .. 4 (i % 2) + 3 with its 4 blocks (lane (g, t) passes block t's activations
+        as column g's where g = t + 4 (i % 2), sZ's zeros elsewhere), and after each window of two k-steps (or the
+        last) ``drain`` scales the columns into rP. Returns drain's OR (bit 31: run again with ``second``)."""
+        for i in cutlass.range_constexpr(STAGES - 1):
+            if i < n_my:
+                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks + i * KSPLIT,
+                                sW[i, None, None, None], sS[i, None, None], lane)
+            cute.arch.cp_async_commit_group()
+        for r in cutlass.range_constexpr(4):
+            rP[r] = Float32(0.0)
+            rSw[r] = Uint32(0)
+        sel0 = Uint32(0x4440) + Uint32(2) * (Uint32(t) % Uint32(2))  # prmt: byte 2 (t % 2) (+ 1), zeros above
+        sel1 = sel0 + Uint32(1)
+        zero = sZ.iterator.toint()
+        big = Uint32(0)
+        for i in cutlass.range(n_my, unroll=1):
+            nxt = i + STAGES - 1
+            if nxt < n_my:
+                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks + nxt * KSPLIT,
+                                sW[nxt % STAGES, None, None, None], sS[nxt % STAGES, None, None], lane)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
+            odd = i % 2
+            keep = (t < 2) == (odd == 0)  # this lane's columns 2t, 2t + 1 are this step's blocks
+            for r in cutlass.range_constexpr(4):
+                cute.autovec_copy(sW[i % STAGES, r, lane, None], cute.local_tile(rW, (4,), (r,)))
+                rSw[r] = Uint32(cutlass.select_(keep, sS[i % STAGES, r, lane], rSw[r]))
+            mine = cute.local_tile(sX[0, None], (16,), (4 * (ks + i * KSPLIT) + t,)).iterator.toint()
+            src = cute.make_ptr(Uint32, cutlass.select_(g == t + 4 * odd, mine, zero), cute.AddressSpace.smem,
+                                assumed_align=16)
+            cute.autovec_copy(cute.make_tensor(src, cute.make_layout((16,))), rX)
+            if odd == 0:
+                cw.fill(0.0)
+            block_mma_raw(rW, 0, rX, cw, 0)  # gate: W1 rows g, g + 8
+            block_mma_raw(rW, 8, rX, cw, 4)  # up: W3 rows g, g + 8
+            if odd == 1 or i == n_my - 1:
+                big = big | self.drain(second, cw, rSw, rP, sel0, sel1)
+        return big
+
     @cute.kernel
     def kernel(self, mZq: cute.Tensor, mLogits, mBias, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
                mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor, mWts, mGroups: cute.Tensor):
@@ -262,6 +379,7 @@ class Kernel:
                                                            stride=(STAGES * XCH * 128, XCH * 128, 128, 4, 1)), 16)
         sX = smem.allocate_tensor(Uint32, cute.make_layout((1, 4) if X_RING else (M, XROW), stride=(XROW, 1)),
                                   16)  # the staged token rows (XSTAGE)
+        sZ = smem.allocate_tensor(Uint32, cute.make_layout((16,)), 16) if DIAG else None  # a zero block (DIAG)
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 4, 32), stride=(STAGES * 128, 128, 32, 1)),
                                   16)
 
@@ -297,6 +415,8 @@ class Kernel:
                 self.select(rCur, rBias, mLogits, mIds, mWts, sIds, lane, m, bid == WRITER, rounds)
         if cutlass.const_expr(XSTAGE):  # this thread's staging copies have landed, visible after the barrier
             cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(DIAG):
+                self.prescale_x(sX, sZ, tid)
         cute.arch.sync_threads()
         if cutlass.const_expr(SOLO):  # one token: expert a is round a's winner, its one pair is slot a
             n_active = Int32(TOPK)
@@ -323,6 +443,9 @@ class Kernel:
         rX = cute.make_rmem_tensor((16,), Uint32)
         rW = cute.make_rmem_tensor((16,), Uint32)  # W1 g, W1 g+8, W3 g, W3 g+8
         rS = cute.make_rmem_tensor((4,), Uint32)
+        rSw = cute.make_rmem_tensor((4,), Uint32)  # DIAG: the scale words of this lane's columns
+        cw = cute.make_rmem_tensor((8,), Float32)  # DIAG: a window's column sums (gate c0..c3, up c0..c3)
+        rP = cute.make_rmem_tensor((4,), Float32)  # DIAG: row partials (gate g, gate g + 8, up g, up g + 8)
         n_my = (STEPS - ks + KSPLIT - 1) // KSPLIT  # this warp's k-steps: ks, ks + KSPLIT, ...
         # task t: CTA t % CTAS, slot (t // CTAS) % SLOTS, so a last round short of CTAS * SLOTS tasks is spread
         # over every CTA (every SM) rather than filling the first CTAs' slots while the others sit idle
@@ -336,14 +459,27 @@ class Kernel:
                 col = nt + g
                 tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
                 acc.fill(0.0)
-                big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks, n_my,
-                                  sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
-                                  acc)
-                if cute.arch.vote_any_sync((big & Uint32(0x100)) != Uint32(0)):  # a byte > 128: again, exactly
-                    acc.fill(0.0)  # (rare)
-                    self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks, n_my,
-                                sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS, rX,
-                                acc)
+                if cutlass.const_expr(DIAG):  # batch 1: the row sums land in the token column's C entries
+                    big = self.stream_diag(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, ks, n_my,
+                                           sW[warp, None, None, None, None], sS[warp, None, None, None], sX, sZ, lane,
+                                           rW, rX, rSw, cw, rP)
+                    if cute.arch.vote_any_sync((big >> Uint32(31)) != Uint32(0)):  # a byte > DIAG_MAX_SCALE (rare)
+                        self.stream_diag(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, ks, n_my,
+                                         sW[warp, None, None, None, None], sS[warp, None, None, None], sX, sZ, lane,
+                                         rW, rX, rSw, cw, rP)
+                    for r in cutlass.range_constexpr(4):  # the quad's columns: whole row sums in every lane
+                        rP[r] = rP[r] + cute.arch.shuffle_sync_bfly(rP[r], offset=1)
+                        rP[r] = rP[r] + cute.arch.shuffle_sync_bfly(rP[r], offset=2)
+                        acc[2 * r] = rP[r]  # C entry (row g + 8 (r % 2), column 0) of gate (r < 2) or up
+                else:
+                    big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks,
+                                      n_my, sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane,
+                                      rW, rS, rX, acc)
+                    if cute.arch.vote_any_sync((big & Uint32(0x100)) != Uint32(0)):  # a byte > 128: again, exactly
+                        acc.fill(0.0)  # (rare)
+                        self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks, n_my,
+                                    sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS,
+                                    rX, acc)
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                         cc = nt + 2 * t + i % 2

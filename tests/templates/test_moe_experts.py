@@ -107,6 +107,55 @@ def test_block_dot_in_the_mma_k_order():
     assert torch.allclose(dot, ref, rtol=1e-12, atol=1e-30)
 
 
+def test_diag_block_sums_and_factors_are_exact():
+    """moe_gate_up's DIAG (batch 1), mirrored in float64: the unscaled decoded codes (e2m1 * 2**-126) times the
+    activations prescaled by 2**DIAG_X_EXP, summed per MX block (an MMA column), times the block's fp32 factor
+    built from its scale byte (one factor up to DIAG_MAX_SCALE, two above it: drain's ``second``), equal the dot
+    with the dequantised weights for every scale byte 0..255 (powers of two: every step is exact)."""
+    env = module_constants(GU.point(**GU.examples()["mini_b1"]).render())
+    assert env["DIAG"] and env["DIAG_MAX_SCALE"] == 160
+    rng = np.random.default_rng(1)
+    n = 256 * 8
+    rows = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    s = np.repeat(np.arange(256, dtype=np.uint64), 8)  # every scale byte, 8 blocks each
+    x = torch.randn(n, 32, dtype=torch.float64).to(torch.bfloat16).double()
+    words = prepack(torch.from_numpy(rows)).numpy().view("<u4").astype(np.uint64)
+
+    def to64(bits):  # bf16 bit patterns (low 16 bits) -> float64
+        return torch.from_numpy((bits & np.uint64(0xFFFF)).astype(np.int16)).view(torch.bfloat16).double()
+
+    def f32(bits):  # fp32 bit patterns -> float64
+        return torch.from_numpy(bits.astype(np.uint32).view(np.float32).astype(np.float64))
+
+    xs = x * 2.0 ** env["DIAG_X_EXP"]  # the prescale (bf16 times a power of two: exact)
+    assert torch.equal(xs.to(torch.bfloat16).double(), xs)
+    col = torch.zeros(n, dtype=torch.float64)  # the block's MMA column: unscaled codes x prescaled activations
+    for w in range(4):
+        for j, pair in enumerate(decode_e2m1x8_packed(words[:, w])):
+            for half, k in ((pair, 8 * w + 2 * j), (pair >> np.uint64(16), 8 * w + 2 * j + 1)):
+                col += to64(half) * xs[:, k]
+    one = s * np.uint64(1 << 23) + np.uint64((127 - env["DIAG_FACTOR_BIAS"]) << 23)  # drain without ``second``
+    flag = ((one + np.uint64(1 << 23)) >> np.uint64(31)) & np.uint64(1)
+    assert np.array_equal(flag.astype(bool), s > env["DIAG_MAX_SCALE"])  # bit 31: the task runs again
+    mx = np.uint64(env["DIAG_MAX_SCALE"])
+    f1 = (np.minimum(s, mx) + np.uint64(254) - mx) << np.uint64(23)
+    f2 = (np.maximum(s, mx) - mx + np.uint64(127)) << np.uint64(23)
+    ref = (mxfp4.dequantize(torch.from_numpy(rows), torch.from_numpy(s.astype(np.uint8))[:, None],
+                            torch.float64) * x).sum(-1)
+    ok = torch.from_numpy(s <= mx)
+    assert torch.allclose((col * f32(one))[ok], ref[ok], rtol=1e-12, atol=1e-300)
+    big = ref.abs() < 1e300  # E8M0 255 dequantises to 2**128 (inf in float32, finite in float64)
+    assert torch.allclose(((col * f32(f2)) * f32(f1))[big], ref[big], rtol=1e-12, atol=1e-300)
+
+
+def test_diag_is_batch_1_unless_refused():
+    ex = GU.examples()
+    assert GU.point(**ex["k3tp8_b1"]).c["DIAG"] and not GU.point(**ex["k3tp8_b8"]).c["DIAG"]
+    assert not GU.point(**ex["k3tp8_b1"], diag=False).c["DIAG"]  # codegen --batch-invariant
+    with pytest.raises(TemplateError, match="diag=True needs batch 1"):
+        GU.point(**ex["k3tp8_b8"], diag=True)
+
+
 @pytest.mark.parametrize("bad,msg", [({"latent": 160}, "multiple of 128"), ({"inter": 40}, "multiple of 32")])
 def test_gate_up_shape_limits(bad, msg):
     with pytest.raises(TemplateError, match=msg):
