@@ -10,6 +10,12 @@ selects once (ids, weights) and ``moe_gate_up`` (ROUTED) reads the ids and retur
 ``moe_down_combine`` runs the down GEMVs of the grouped pairs and sums them with the routing weights:
 ``y [M, L] = bf16(sum_j weights[m, j] * bf16(h[m, j] . deq(W2[ids[m, j]])^T))`` (ops.latent_moe_experts).
 Under TP the experts hold an intermediate-dim shard and y is a partial sum.
+
+At batch 1 ``moe_gate_up`` runs DIAG (kernels/moe_gate_up.py): the MMA's columns hold MX blocks, the codes go in
+unscaled and each block's scale multiplies its sums once. Its range: the activations are prescaled by 2**32 in
+bf16, so a latent activation of magnitude 2**96 or more overflows (inf, where the other buckets' path is finite),
+and a product of a code with an activation below 2**-32 in magnitude may fall below fp32's normal range in the
+tensor cores (bits of a term smaller than 2**-32 of the unit weight's; the float64 checks never met either).
 """
 
 from __future__ import annotations
