@@ -296,6 +296,14 @@ class MoeGateUp(_RoutedExperts):
                 Arg("h", "bf16", (m, k, i), "out"), Arg("ids", "i32", (m, k), "out"),
                 Arg("weights", "f32", (m, k), "out"), groups]
 
+    def kernel_params(self, c):
+        """The kernel entry's parameters, in the order ``_launch`` hands them to ``kernel`` (kernels/moe_gate_up.py;
+        a None argument is no parameter): with ROUTED the ids come after h, not second as in ``args``, so the
+        memory-ordering audit names each access by its real argument."""
+        if c["ROUTED"]:
+            return [["z", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "h", "ids", "groups"]]
+        return [[a.name for a in self.args(c)]]
+
     def random_inputs(self, c, gen):
         m, e, l, i = c["M"], c["E"], c["L"], c["I"]
         w1, s1 = _random_mx(gen, e, i, l)

@@ -314,6 +314,24 @@ def test_kernel_signatures_follow_args():
             assert [p[1:].lower() for p in params] == [_short(a.name) for a in args], (file, label)
 
 
+def test_gate_up_kernel_params_follow_the_launch():
+    """The audit's names for the gate/up kernel entry's parameters (Template.kernel_params) are the arguments
+    ``_launch`` passes to ``kernel`` in that order, None ones left out: read off the kernel source, for the ROUTED
+    launch (ids after h) and the selecting one."""
+    src = (KERNELS_DIR / "moe_gate_up.py").read_text()
+    formal = [p.strip() for p in re.search(r"def _launch\(self, (.*?)\):", src, re.S).group(1).split(",")]
+    to_kernel = [p.strip() for p in re.search(r"self\.kernel\((.*?)\)\.launch", src, re.S).group(1).split(",")]
+    calls = re.findall(r"self\._launch\((.*?)\)\n", src, re.S)
+    assert len(calls) == 2
+    for call, label in zip(calls, ("mini_b64", "mini_b8")):  # ROUTED first in the file
+        given = dict(zip(formal, (a.strip() for a in call.split(","))))
+        entry = [given[k[:-1] if k.endswith("q") else k] for k in to_kernel]  # mZq is mZ recast
+        c = GU.point(**GU.examples()[label]).c
+        assert c["ROUTED"] == (label == "mini_b64")
+        (names,) = GU.kernel_params(c)
+        assert [v[1:].lower() for v in entry if v != "None"] == [_short(n) for n in names], label
+
+
 def _short(name):  # the kernel's tensor names: mZ <-> z, mW1 <-> w1_packed, mS1 <-> w1_scale, mBias <-> score_bias
     return {"score_bias": "bias", "weights": "wts", "w1_packed": "w1", "w3_packed": "w3", "w2_packed": "w2",
             "w1_scale": "s1", "w3_scale": "s3", "w2_scale": "s2"}.get(name, name)
