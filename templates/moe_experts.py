@@ -300,9 +300,11 @@ class MoeGateUp(_RoutedExperts):
         """The kernel entry's parameters, in the order ``_launch`` hands them to ``kernel`` (kernels/moe_gate_up.py;
         a None argument is no parameter): with ROUTED the ids come after h, not second as in ``args``, so the
         memory-ordering audit names each access by its real argument."""
+        names = [a.name for a in self.args(c)]
         if c["ROUTED"]:
-            return [["z", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "h", "ids", "groups"]]
-        return [[a.name for a in self.args(c)]]
+            names.remove("ids")
+            names.insert(names.index("h") + 1, "ids")
+        return [names]
 
     def random_inputs(self, c, gen):
         m, e, l, i = c["M"], c["E"], c["L"], c["I"]
