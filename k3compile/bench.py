@@ -3,10 +3,13 @@
 The baselines (issue #6): ``eager`` (the reference model: MXFP4 experts dequantised on the fly),
 ``eager-bf16`` (the same model with the routed experts served from bf16 copies dequantised once, for the
 bench only), both also captured once into a CUDA graph and replayed per step (``eager-graph``,
-``eager-bf16-graph``), and ``inductor`` (``torch.compile``). The eager decode validates its inputs with a
-host sync (``check_decode_inputs`` in models/model.py), which a CUDA graph cannot capture: the warm-up steps
-run the real check, the capture a sync-free one (``_unchecked_inputs``), as k3compile's rows run with
-``check_inputs=False``. A row that cannot run carries the failure (and the line that raised it) as its note.
+``eager-bf16-graph``), and Inductor (``torch.compile`` of the same decode: ``inductor``, default mode;
+``inductor-graph``, the same replayed from one CUDA graph, as the issue asks; ``inductor-autotune-graph``, mode
+``max-autotune-no-cudagraphs`` in one CUDA graph, minutes of autotuning per row). The eager decode validates its
+inputs with a host sync (``check_decode_inputs`` in models/model.py), which a CUDA graph cannot capture: the
+warm-up steps run the real check, the capture a sync-free one (``_unchecked_inputs``), as k3compile's rows run
+with ``check_inputs=False``; the Inductor graph rows trace the sync-free one (Dynamo inlines it) and run under
+it throughout. A row that cannot run carries the failure (and the line that raised it) as its note.
 
 For every (context, bucket) the same model, state and tokens run through each system; each figure comes
 from ``--steps`` consecutive decode steps (the state advances, as in serving) after WARMUP_S seconds of
@@ -59,12 +62,14 @@ from .kernel_check import measure_copy_bandwidth
 # Every system, in the order run_model runs them: k3compile first (its lowered graph gives the floor),
 # Inductor last (see run_model)
 SYSTEMS = ("k3compile", "k3compile-nccl", "k3compile-one-stream", "eager", "eager-bf16", "eager-graph",
-           "eager-bf16-graph", "inductor")
+           "eager-bf16-graph", "inductor", "inductor-graph", "inductor-autotune-graph")
 # Every single-GPU baseline beside k3compile (k3compile-nccl only differs under torchrun): run()'s default, and
 # the CLI's --systems default
-DEFAULT_SYSTEMS = ("eager", "eager-bf16", "eager-graph", "eager-bf16-graph", "inductor", "k3compile")
+DEFAULT_SYSTEMS = ("eager", "eager-bf16", "eager-graph", "eager-bf16-graph", "inductor-graph", "k3compile")
 SYSTEMS_HELP = ("comma-separated: eager (MXFP4 experts dequantised on the fly), eager-bf16 (experts pre-dequantised "
-                "to bf16), eager-graph and eager-bf16-graph (the same inside one CUDA graph), inductor, k3compile, "
+                "to bf16), eager-graph and eager-bf16-graph (the same inside one CUDA graph), inductor (torch.compile, default "
+                "mode), inductor-graph (the same replayed from one CUDA graph), inductor-autotune-graph (mode "
+                "max-autotune-no-cudagraphs, in one CUDA graph: minutes of autotuning per row), k3compile, "
                 "k3compile-nccl (TP > 1: NCCL all-reduce before the residual kernels instead of their one-shot "
                 "all-reduce), k3compile-one-stream (every kernel on one CUDA stream, side_streams=False; k3compile "
                 "runs the plan's side-stream kernels on a second stream)")
@@ -425,10 +430,16 @@ def _system(system: str, model, state, ids, bucket: int, package: str | None, st
             stack.enter_context(bf16_experts(model))
         fn = lambda: model.decode(ids, state)  # noqa: E731
         return (_cuda_graph(fn) if system.endswith("-graph") else fn), None
-    if system == "inductor":
+    if system.startswith("inductor"):
         torch._dynamo.reset()
-        f = torch.compile(model.decode, dynamic=False)
-        return (lambda: f(ids, state)), None
+        mode = "max-autotune-no-cudagraphs" if "autotune" in system else None
+        f = torch.compile(model.decode, dynamic=False, mode=mode)
+        if not system.endswith("-graph"):
+            return (lambda: f(ids, state)), None
+        # traced without the input check's host sync (a CUDA graph cannot capture it), every call of the row
+        # under the same patch: Dynamo guards on the op it traced, and the real one would recompile
+        stack.enter_context(_unchecked_inputs())
+        return _cuda_graph(lambda: f(ids, state)), None
     if system in ("k3compile", "k3compile-nccl", "k3compile-one-stream"):
         if not package:
             raise RuntimeError("no --package: k3compile's kernels come from a prebuilt package on the GPU host")
@@ -449,11 +460,15 @@ def _unchecked_inputs():
     CUDA graph cannot capture: it only returns the write positions. The warm-up steps before the capture ran
     the real check on the same tensors; k3compile's rows skip it the same way (``check_inputs=False``)."""
     ns = torch.ops.k3model
+    outer = vars(ns).get("check_decode_inputs")  # an enclosing patch (inductor-graph's), or the cached op
     ns.check_decode_inputs = lambda token_ids, lengths, vocab_size, max_context: lengths.clone()
     try:
         yield
     finally:
-        del ns.check_decode_inputs  # the namespace looks the real op up again on next access
+        if outer is None:
+            del ns.check_decode_inputs  # the namespace looks the real op up again on next access
+        else:
+            ns.check_decode_inputs = outer
 
 
 def _cuda_graph(fn, warmup: int = 3):
@@ -788,7 +803,8 @@ def main(args) -> int:
 
 COLORS = {"eager": (214, 39, 40), "eager-bf16": (148, 103, 189), "eager-graph": (227, 119, 194),
           "eager-bf16-graph": (140, 86, 75), "inductor": (255, 127, 14), "k3compile": (31, 119, 180),
-          "k3compile-nccl": (44, 160, 44), "k3compile-one-stream": (23, 190, 207)}
+          "k3compile-nccl": (44, 160, 44), "k3compile-one-stream": (23, 190, 207),
+          "inductor-graph": (188, 189, 34), "inductor-autotune-graph": (127, 127, 127)}
 
 
 def plot(result: dict, path: str, *, layers: int | None = None, context: int | None = None) -> None:

@@ -523,3 +523,33 @@ def test_bench_kernels_goes_on_where_an_earlier_check_stopped(tmp_path):
     report = bench_kernels.merge_shards([early, late], kernels)
     assert (report["failed"], report["not_checked"], report["out_of_memory"]) == ([], ["gemv_c"], ["gemv_c"])
     assert "Fix: run again with fewer SHARDS and DONE=" in bench_kernels.merge_table(report)
+
+
+def test_inductor_graph_rows_trace_the_decode_without_the_host_sync(mini_model):
+    """inductor-graph compiles the decode under the sync-free input check (a CUDA graph cannot capture the
+    real one's host sync): Dynamo inlines it, so the traced graph holds no check op and still gives eager's
+    logits; the patch nests (the capture inside the row enters it again) and the real check comes back."""
+    import models.model  # noqa: F401  (registers k3model::check_decode_inputs)
+
+    model = mini_model
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    state, ref_state = model.new_state(2, 64), model.new_state(2, 64)
+    ids = torch.tensor([3, 5])
+    torch._dynamo.reset()
+    f = torch.compile(model.decode, backend=backend, dynamic=False)
+    with bench._unchecked_inputs():
+        with bench._unchecked_inputs():  # _cuda_graph's capture inside the row's patch
+            out = f(ids, state)
+        assert torch.ops.k3model.check_decode_inputs(torch.tensor([-1]), torch.tensor([3]), 10, 100) is not None
+    torch._dynamo.reset()
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and targets and not any("check_decode_inputs" in t for t in targets)
+    torch.testing.assert_close(out, model.decode(ids, ref_state), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # both patches undone
+        torch.ops.k3model.check_decode_inputs(torch.tensor([-1]), torch.tensor([3]), 10, 100)
+    assert "inductor-graph" in bench.DEFAULT_SYSTEMS and bench.check_systems(["inductor-autotune-graph"])
