@@ -265,6 +265,17 @@ class Kernel:
             rX.fill(0)
 
     @cute.jit
+    def ring_issue(self, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor, mS3q: cute.Tensor,
+                   mZq: cute.Tensor, e, row0, g, t, tok, valid, ks, n_my, i, sW: cute.Tensor, sS: cute.Tensor, lane):
+        """Step i of this warp's k-steps ks, ks + KSPLIT, ... into ring stage i % STAGES, if the warp has it, and
+        one cp.async group either way (empty past the end): after issuing step i + STAGES - 1,
+        ``cp_async_wait_group(STAGES - 1)`` means step i has landed."""
+        if i < n_my:
+            self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + i * KSPLIT,
+                            sW[i % STAGES, None, None, None], sS[i % STAGES, None, None], lane)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def stream(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
                mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, sel, tok, valid, ks, n_my, sW: cute.Tensor,
                sS: cute.Tensor, sX: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
@@ -274,17 +285,11 @@ class Kernel:
         ``second``. Returns the OR of the lane's scale_big_bits: bit 8 set when one of its scale bytes exceeded
         128 (the result then needs ``second``)."""
         for i in cutlass.range_constexpr(STAGES - 1):
-            if i < n_my:
-                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + i * KSPLIT,
-                                sW[i, None, None, None], sS[i, None, None], lane)
-            cute.arch.cp_async_commit_group()
+            self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks, n_my, i, sW, sS, lane)
         big = Uint32(0)
         for i in cutlass.range(n_my, unroll=1):
-            nxt = i + STAGES - 1
-            if nxt < n_my:
-                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks + nxt * KSPLIT,
-                                sW[nxt % STAGES, None, None, None], sS[nxt % STAGES, None, None], lane)
-            cute.arch.cp_async_commit_group()
+            self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks, n_my, i + STAGES - 1, sW,
+                            sS, lane)
             cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
             self.read_step(sW[i % STAGES, None, None, None], sS[i % STAGES, None, None], sX, lane, sel, tok, valid,
                            4 * (ks + i * KSPLIT) + t, rW, rS, rX)
@@ -329,10 +334,7 @@ class Kernel:
         as column g's where g = t + 4 (i % 2), sZ's zeros elsewhere), and after each window of two k-steps (or the
         last) ``drain`` scales the columns into rP. Returns drain's OR (bit 31: run again with ``second``)."""
         for i in cutlass.range_constexpr(STAGES - 1):
-            if i < n_my:
-                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks + i * KSPLIT,
-                                sW[i, None, None, None], sS[i, None, None], lane)
-            cute.arch.cp_async_commit_group()
+            self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks, n_my, i, sW, sS, lane)
         for r in cutlass.range_constexpr(4):
             rP[r] = Float32(0.0)
             rSw[r] = Uint32(0)
@@ -341,11 +343,8 @@ class Kernel:
         zero = sZ.iterator.toint()
         big = Uint32(0)
         for i in cutlass.range(n_my, unroll=1):
-            nxt = i + STAGES - 1
-            if nxt < n_my:
-                self.issue_step(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks + nxt * KSPLIT,
-                                sW[nxt % STAGES, None, None, None], sS[nxt % STAGES, None, None], lane)
-            cute.arch.cp_async_commit_group()
+            self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks, n_my, i + STAGES - 1, sW, sS,
+                            lane)
             cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
             odd = i % 2
             keep = (t < 2) == (odd == 0)  # this lane's columns 2t, 2t + 1 are this step's blocks
