@@ -164,6 +164,12 @@ def cmd_bench_plot(args) -> int:
     return 0
 
 
+def cmd_ptx_diff(args) -> int:
+    from .ptx_diff import main
+
+    return main(args)
+
+
 def cmd_verify(args) -> int:
     from .verify import main
 
@@ -285,6 +291,19 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", default="bench.json", help="where to write the results")
     be.add_argument("--png", default="bench.png", help="plot: µs per step vs batch per system, floor dashed")
     be.set_defaults(func=cmd_bench)
+    px = sub.add_parser("ptx-diff", help="which kernels a source change changed: PTX of two codegen outputs",
+                        description="Pair the kernels of two codegen outputs (compiled, not pruned) by template, "
+                                    "constants and arch and compare their PTX, the kernel names (source hashes) "
+                                    "aside: a refactor that renames kernels proves it changed none. Exit 1 when a "
+                                    "pair differs, a kernel has no partner, or (--passed) a kernel of NEW is not "
+                                    "covered by a passed GPU check.")
+    px.add_argument("old", help="codegen -o directory of the old commit")
+    px.add_argument("new", help="codegen -o directory of the new commit")
+    px.add_argument("--passed", metavar="JSON", nargs="+",
+                    help="bench-kernels JSONs (e.g. check_package.sh's shard files): list NEW's kernels that "
+                         "neither passed by name nor have the PTX of a kernel that passed")
+    px.add_argument("--json", help="also write the pairs as JSON here")
+    px.set_defaults(func=cmd_ptx_diff)
     ve = sub.add_parser("verify", help="evidence that the compiled path is right and was taken (report)",
                         description="Coverage proof from the launch counters, kernel checks (GPU: float64 on "
                                     "fresh poisoned inputs; CPU: compile + bit logic + per-node references), long "
