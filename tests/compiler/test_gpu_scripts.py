@@ -22,3 +22,14 @@ def test_gpu_script_parses_and_names_existing_files(script):
     root = GPU.parents[1]
     for ref in set(re.findall(r"tests/gpu/[\w.]+\.(?:py|sh)", script.read_text())):
         assert (root / ref).is_file(), f"{script.name} names {ref}, which does not exist"
+
+
+def test_gpu_scripts_name_only_bench_systems_that_exist():
+    """A misspelt system is refused only on the GPU host, after the machine's start: check every --systems list."""
+    from k3compile.bench import SYSTEMS
+
+    lists = [m for s in SCRIPTS for m in re.findall(r"--systems ([\w,-]+)", s.read_text())]
+    assert any("inductor-graph" in x for x in lists)  # table.sh's Inductor stage
+    for x in lists:
+        unknown = set(x.split(",")) - set(SYSTEMS)
+        assert not unknown, f"--systems {x} names {sorted(unknown)}: not among {SYSTEMS}"
