@@ -499,11 +499,11 @@ def _cuda_graph(fn, warmup: int = 3):
 def _dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, chunk: int = 32) -> torch.Tensor:
     """Stacked MXFP4 experts ``[E, out, in/2]`` -> ``[E, out, in]`` in ``dtype``, ``chunk`` experts at a time:
     dequantize's fp32/int64 temporaries for a whole layer at real shapes would be several times its bf16."""
-    from .models.mxfp4 import dequantize
+    from .models.mxfp4 import checkpoint_codes, dequantize
 
     out = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=dtype, device=packed.device)
     for e in range(0, packed.shape[0], chunk):
-        out[e:e + chunk] = dequantize(packed[e:e + chunk], scale[e:e + chunk], dtype)
+        out[e:e + chunk] = dequantize(checkpoint_codes(packed, slice(e, e + chunk)), scale[e:e + chunk], dtype)
     return out
 
 

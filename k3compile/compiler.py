@@ -54,6 +54,12 @@ class Options:
     # None: on for a CUDA step (not in shadow mode, which compares every node on one stream), off elsewhere;
     # False: every kernel on one stream in graph order; True: on, and an error off CUDA
     side_streams: bool | None = None
+    # the routed experts' MXFP4 codes are rewritten into the kernels' layout in the weights' own memory at the
+    # first step instead of into a copy kept beside them (the copy is 170 GB per rank of the real config at TP 8):
+    # one copy of the experts, as a deployment holds them. The model's eager ops still read them (through
+    # models.mxfp4.checkpoint_codes, undoing the layout of the experts they gather, so eager steps are slower);
+    # a write to those weights afterwards is an error (reload the model instead)
+    relay_in_place: bool = False
 
     @classmethod
     def make(cls, options: "Options | dict | None" = None, **kw) -> "Options":

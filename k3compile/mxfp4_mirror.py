@@ -96,17 +96,32 @@ def _byte_tables(inverse: bool) -> np.ndarray:
 def prepack(codes: torch.Tensor, *, inverse: bool = False, chunk_words: int = 1 << 26) -> torch.Tensor:
     """MXFP4 code bytes (uint8, 2 codes per byte, the last dim a multiple of 4: whole words of a row) in the
     expert kernels' layout: the bits of every 4-byte word permuted (``packed_source_bits``), on the tensor's
-    device, in chunks of ``chunk_words`` words; ``inverse`` undoes it. A new tensor; the input is unchanged."""
-    if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
+    device, in chunks of ``chunk_words`` words; ``inverse`` undoes it. A new tensor; the input is unchanged
+    (:func:`prepack_` converts in place)."""
+    if codes.dtype != torch.uint8:  # (checked before the copy; prepack_ checks the rest)
         raise ValueError(f"prepack: expected uint8 codes with a last dim that is a multiple of 4 (whole 32-bit "
                          f"words), got {codes.dtype}{list(codes.shape)}")
+    out = torch.empty_like(codes, memory_format=torch.contiguous_format).copy_(codes)
+    return prepack_(out, inverse=inverse, chunk_words=chunk_words)
+
+
+def prepack_(codes: torch.Tensor, *, inverse: bool = False, chunk_words: int = 1 << 26) -> torch.Tensor:
+    """:func:`prepack` in the tensor's own memory (a compact uint8 tensor on a 4-byte boundary): each chunk of
+    ``chunk_words`` words is read whole before it is written back, so the extra memory is a chunk's, not the
+    tensor's. Returns ``codes``."""
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
+        raise ValueError(f"prepack_: expected uint8 codes with a last dim that is a multiple of 4 (whole 32-bit "
+                         f"words), got {codes.dtype}{list(codes.shape)}")
+    if not codes.is_contiguous() or codes.storage_offset() % 4:
+        raise ValueError("prepack_: converting in place needs a compact tensor that starts on a 4-byte boundary; "
+                         "pass the weight itself, not a strided view of it (or use prepack, which copies)")
     tab = torch.from_numpy(_byte_tables(inverse).view(np.int32)).to(codes.device)
-    src = codes.contiguous().view(-1, 4)
-    out = torch.empty(src.shape[0], dtype=torch.int32, device=codes.device)
+    src = codes.view(-1, 4)
+    words = codes.view(-1).view(torch.int32)
     for a in range(0, src.shape[0], chunk_words):
         b = src[a:a + chunk_words].long()
-        out[a:a + chunk_words] = tab[0][b[:, 0]] | tab[1][b[:, 1]] | tab[2][b[:, 2]] | tab[3][b[:, 3]]
-    return out.view(torch.uint8).view(codes.shape)
+        words[a:a + chunk_words] = tab[0][b[:, 0]] | tab[1][b[:, 1]] | tab[2][b[:, 2]] | tab[3][b[:, 3]]
+    return codes
 
 
 def scale_bf16x2(s):

@@ -36,6 +36,7 @@ and so is every dialect op that ran through its eager implementation instead (:f
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import operator
 import weakref
@@ -47,7 +48,8 @@ import torch
 import torch.fx
 
 from . import comm, dialect
-from .templates.base import to_kernel_layout
+from .models.mxfp4 import mark_relaid, relaid_layout
+from .templates.base import to_kernel_layout, to_kernel_layout_
 
 log = logging.getLogger("k3compile")
 
@@ -161,6 +163,8 @@ def jit_package(points: dict, out: Path, *, workers: int | None = None):
 class Kernel:
     """One compiled template point: allocates its outputs, fits its inputs, counts its launches."""
 
+    relay_in_place = False  # a weight in a layout of the kernel's own is rewritten in its own memory (_relaid)
+
     def __init__(self, point, fn: Callable, device):
         self.point, self.fn, self.name = point, fn, point.name
         self.args = point.args()
@@ -175,7 +179,7 @@ class Kernel:
             else:
                 t = _fit(self.name, a, given[a.name])
                 if a.layout is not None:
-                    t = _relaid(self.name, a, t)
+                    t = _relaid(self.name, a, t, self.relay_in_place)
             tensors.append(t)
         _count(self.name)
         self.fn(*tensors)
@@ -186,11 +190,21 @@ _RELAID_BYTES: dict = {}  # id of a weight's relaid copy -> its bytes (dropped w
 _CONVERSIONS: collections.Counter = collections.Counter()  # (layout, pointer, version, shape) -> conversions
 
 
-def _relaid(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
+def _relaid(kernel: str, a, t: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """A weight in the layout its kernel reads (``Arg.layout``): made once and kept on the weight tensor itself
     (it lives and dies with the weight; remade if the weight is written in place), so a decode step does no
     conversion and a CUDA graph captures the kept copy. A weight that reaches the kernel as a new view each
-    call is converted again every call: each repeat counts as an input copy, so it shows in ``input_copies()``."""
+    call is converted again every call: each repeat counts as an input copy, so it shows in ``input_copies()``.
+
+    ``in_place`` (option ``relay_in_place``): the weight's own bytes are rewritten instead, once, and marked
+    (``models.mxfp4.mark_relaid``), so no copy is kept: the model's eager ops read the codes back through the
+    undo; a weight written after that is refused here and by them (its layout is unknown)."""
+    layout = relaid_layout(t)  # (an error if the weight was written after an in-place conversion)
+    if layout is not None:
+        if layout != a.layout:
+            raise RuntimeError_(f"{kernel}: weight {a.name} was rewritten in place into layout {layout!r}; this "
+                                f"kernel reads {a.layout!r}. Fix: compile without relay_in_place")
+        return t
     key = (a.layout, t.data_ptr(), t._version, tuple(t.shape))
     hit = getattr(t, "_k3_relaid", None)
     if hit is not None and hit[0] == key:
@@ -199,6 +213,12 @@ def _relaid(kernel: str, a, t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError_(f"{kernel}: weight {a.name} would be converted to the kernel's layout inside a CUDA "
                             f"graph capture (then again at every replay); it changed since the warm-up step. "
                             f"Fix: do not write weights in place between steps, or recompile after loading them")
+    if in_place:
+        if hit is not None:  # a copy made before, now stale: dropped
+            del t._k3_relaid
+        to_kernel_layout_(a, t)
+        mark_relaid(t, a.layout, functools.partial(to_kernel_layout, a, inverse=True))
+        return t
     out = to_kernel_layout(a, t)
     t._k3_relaid = (key, out)
     _CONVERSIONS[key] += 1
@@ -945,6 +965,8 @@ class KernelDispatcher:
             for b in bg.bindings:
                 b.shadow = self.shadow
                 b.oneshot_max_bytes = options.oneshot_max_bytes
+            for k in bg.kernels.values():
+                k.relay_in_place = bool(options.relay_in_place)
         self.use_graphs = bool(options.cuda_graphs) and self.device.type == "cuda" and not self.shadow
         self.side_streams: dict = {}  # bucket -> the nodes run on a side stream (options.side_streams)
         side = options.side_streams

@@ -197,8 +197,8 @@ def save_checkpoint(model: K3Model, path) -> str:
     for spec in tensor_specs(config):
         key, expert, _ = _model_key(spec.name)
         t = state[key].detach()
-        if expert is not None:
-            t = t[expert]
+        if expert is not None:  # (codes in the checkpoint's layout, should a runtime have relaid them in place)
+            t = mxfp4.checkpoint_codes(state[key], expert).detach() if key.endswith("_packed") else t[expert]
         if spec.name.endswith("self_attn.A_log"):
             padded = torch.zeros(spec.shape, dtype=torch.float32)
             padded[: t.numel()] = t.float().cpu()

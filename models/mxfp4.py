@@ -6,6 +6,11 @@ For a logical weight ``W [out, in]``:
   2j+1 in the high nibble (pitfall 11).
 * E2M1 code: sign = bit 3, magnitude = {0, 0.5, 1, 1.5, 2, 3, 4, 6}[bits 0-2].
 * ``weight_scale`` uint8 E8M0 ``[out, in/32]``: multiplier ``2 ** (e - 127)`` per 32 consecutive inputs.
+
+A kernel runtime may rewrite a ``weight_packed`` tensor's bytes in place into its kernels' own layout (k3compile's
+``relay_in_place`` option: one copy of the experts instead of two) and mark it with :func:`mark_relaid`. Every
+reader of codes that may see such a tensor goes through :func:`checkpoint_codes`, which undoes the layout of
+what it reads; a write to the tensor after the mark makes every later read an error (its layout is unknown).
 """
 
 from __future__ import annotations
@@ -32,6 +37,44 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     man = (c & 1).float()
     mag = torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1) * (1 + 0.5 * man))
     return torch.where((c & 8) != 0, -mag, mag)
+
+
+RELAID_ATTR = "_mxfp4_relaid"  # on a codes tensor rewritten in place: (layout, version after it, undo)
+
+
+class RelaidCodesError(RuntimeError):
+    """Codes rewritten in place into a kernel layout were written again: their layout is unknown."""
+
+
+def mark_relaid(packed: torch.Tensor, layout: str, undo) -> None:
+    """Record that ``packed``'s bytes were just rewritten in place into ``layout``; ``undo(t)`` maps codes of
+    that layout (``packed`` or rows gathered from it) back to the checkpoint's, as a new tensor."""
+    setattr(packed, RELAID_ATTR, (layout, packed._version, undo))
+
+
+def relaid_layout(packed: torch.Tensor) -> str | None:
+    """The kernel layout ``packed``'s bytes are in (None: the checkpoint's); an error if it was written after it
+    was rewritten in place."""
+    tag = getattr(packed, RELAID_ATTR, None)
+    if tag is None:
+        return None
+    layout, version, _ = tag
+    if packed._version != version:
+        raise RelaidCodesError(
+            f"MXFP4 codes {list(packed.shape)} were rewritten in place into the kernels' layout {layout!r} and then "
+            f"written again, so which layout their bytes are in is unknown. Fix: load the weights (the whole "
+            f"tensor) before compiling with relay_in_place=True, or compile without it (the runtime then keeps a "
+            f"converted copy beside the checkpoint's codes)")
+    return layout
+
+
+def checkpoint_codes(packed: torch.Tensor, index=None) -> torch.Tensor:
+    """``packed`` (or ``packed[index]``) in the checkpoint's layout: the tensor (view) itself, or, if a runtime
+    rewrote it in place (:func:`mark_relaid`), the rows read through the undo (a new tensor)."""
+    rows = packed if index is None else packed[index]
+    if torch.compiler.is_compiling() or relaid_layout(packed) is None:  # (a traced graph sees no attributes)
+        return rows
+    return getattr(packed, RELAID_ATTR)[2](rows)
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -97,7 +140,7 @@ def dequantize_static(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfl
     hit = _DEQUANT_CACHE.get(id(packed))
     if hit is not None and hit[0]() is packed and hit[1] == key:
         return hit[2]
-    out = dequantize(packed, scale, dtype)
+    out = dequantize(checkpoint_codes(packed), scale, dtype)
     ident = id(packed)
     _DEQUANT_CACHE[ident] = (weakref.ref(packed, lambda _: _DEQUANT_CACHE.pop(ident, None)), key, out)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mxfp4 import dequantize, dequantize_static
+from .mxfp4 import checkpoint_codes, dequantize, dequantize_static
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,9 +97,11 @@ def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         dense_w = torch.zeros(z.shape[0], E, dtype=torch.float32, device=z.device)
         dense_w = dense_w.scatter(1, ids, weights.float())  # [B, E]: 0 for experts a token did not pick
         return (y.float() * dense_w.t()[..., None]).sum(0).to(dt)
-    w1 = dequantize(w1_packed[ids], w1_scale[ids], dt)  # [B, k, I, L]
-    w3 = dequantize(w3_packed[ids], w3_scale[ids], dt)
-    w2 = dequantize(w2_packed[ids], w2_scale[ids], dt)  # [B, k, L, I]
+    # (checkpoint_codes: the selected experts' codes as the checkpoint lays them out, should a kernel runtime
+    # have rewritten the stacked tensor in place into its kernels' layout)
+    w1 = dequantize(checkpoint_codes(w1_packed, ids), w1_scale[ids], dt)  # [B, k, I, L]
+    w3 = dequantize(checkpoint_codes(w3_packed, ids), w3_scale[ids], dt)
+    w2 = dequantize(checkpoint_codes(w2_packed, ids), w2_scale[ids], dt)  # [B, k, L, I]
     zb = z[:, None, None, :]  # [B, 1, 1, L]
     gate = torch.matmul(zb, w1.transpose(-1, -2))[..., 0, :]  # [B, k, I]
     up = torch.matmul(zb, w3.transpose(-1, -2))[..., 0, :]

@@ -217,8 +217,9 @@ class Trainable:
             if layer.is_moe:
                 moe = layer.block_sparse_moe
                 self.masters[i] = {
-                    w: torch.nn.Parameter(mxfp4.dequantize(getattr(moe, f"experts_{w}_packed"),
-                                                           getattr(moe, f"experts_{w}_scale"), torch.float32))
+                    w: torch.nn.Parameter(mxfp4.dequantize(
+                        mxfp4.checkpoint_codes(getattr(moe, f"experts_{w}_packed")),
+                        getattr(moe, f"experts_{w}_scale"), torch.float32))
                     for w in ("w1", "w3", "w2")}
         for name, p in model.named_parameters():
             p.requires_grad_(not name.endswith("e_score_correction_bias"))
@@ -315,7 +316,8 @@ def _moe(moe, y: torch.Tensor, masters: dict | None, quantize: bool) -> tuple[to
                                  cfg.moe_renormalize, cfg.routed_scaling_factor)
     z = moe.routed_expert_down_proj(y)
     if masters is None:  # the packed experts as stored (what decode uses)
-        w = [mxfp4.dequantize(getattr(moe, f"experts_{n}_packed"), getattr(moe, f"experts_{n}_scale"), z.dtype)
+        w = [mxfp4.dequantize(mxfp4.checkpoint_codes(getattr(moe, f"experts_{n}_packed")),
+                              getattr(moe, f"experts_{n}_scale"), z.dtype)
              for n in ("w1", "w3", "w2")]
     else:
         w = [fake_mxfp4(masters[n]) if quantize else masters[n] for n in ("w1", "w3", "w2")]

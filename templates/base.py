@@ -91,6 +91,15 @@ def to_kernel_layout(a: Arg, t: torch.Tensor, *, inverse: bool = False) -> torch
     return prepack(t, inverse=inverse)
 
 
+def to_kernel_layout_(a: Arg, t: torch.Tensor) -> torch.Tensor:
+    """:func:`to_kernel_layout` in ``t``'s own memory (returns ``t``; nothing to do without a layout)."""
+    if a.layout is None:
+        return t
+    from k3compile.mxfp4_mirror import prepack_
+
+    return prepack_(t)
+
+
 @dataclass(frozen=True)
 class Constant:
     name: str

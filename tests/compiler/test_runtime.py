@@ -461,6 +461,48 @@ def test_weights_in_a_kernel_layout_are_converted_once_and_kept_with_the_weight(
     assert runtime.relaid_bytes() == before  # the copies live and die with their weight
 
 
+def test_relay_in_place_keeps_one_copy_of_the_experts_and_the_model_reads_them_back(mini_ckpt, tmp_path,
+                                                                                    monkeypatch):
+    """Option relay_in_place: the first step rewrites the routed experts' codes in their own memory (no copy
+    kept: relaid_bytes 0) and the steps give bit for bit the logits and state of the copying runtime. The model
+    still reads its codes as the checkpoint's: its eager decode (both expert paths), save_checkpoint. A write
+    to the codes afterwards is refused by the runtime and the eager op, naming the fix."""
+    from k3compile.models import load_pretrained, mxfp4, ops, save_checkpoint
+
+    copying, in_place = load_pretrained(mini_ckpt), load_pretrained(mini_ckpt)
+    codes = {n: t for n, t in in_place.named_buffers() if n.endswith("_packed")}
+    originals = {n: t.clone() for n, t in codes.items()}
+    ptrs = {n: t.data_ptr() for n, t in codes.items()}
+    steps = {m: _compile(m, (1, 4), relay_in_place=m is in_place) for m in (copying, in_place)}
+    states = {m: m.new_state(4, 16) for m in steps}
+    with one_thread():
+        for i, batch in enumerate((1, 3, 4)):
+            got = {m: steps[m](torch.arange(1 + i, 1 + i + batch), states[m]) for m in steps}
+            assert torch.equal(got[copying], got[in_place])
+    for a, b in zip(states[copying].tensors(), states[in_place].tensors()):
+        assert torch.equal(a, b)
+    assert runtime.relaid_bytes(in_place) == 0
+    assert runtime.relaid_bytes(copying) == sum(t.numel() for t in originals.values())
+    for n, t in codes.items():  # rewritten where they lie; read back as the checkpoint's
+        assert t.data_ptr() == ptrs[n] and not torch.equal(t, originals[n]), n
+        assert mxfp4.relaid_layout(t) == "mxfp4_prepacked" and torch.equal(mxfp4.checkpoint_codes(t), originals[n])
+    with one_thread():
+        for dense in (True, False):  # the all-experts path (k3-mini's size) and the per-token gather
+            if not dense:
+                monkeypatch.setattr(ops, "DENSE_EXPERTS_MAX_WEIGHTS", 0)
+            eager = [m.decode(torch.tensor([7, 8]), m.new_state(2, 4)) for m in (copying, in_place)]
+            assert torch.equal(eager[0], eager[1]), f"dense={dense}"
+    save_checkpoint(in_place, tmp_path / "ckpt")
+    reloaded = dict(load_pretrained(str(tmp_path / "ckpt")).named_buffers())
+    for n, t in originals.items():
+        assert torch.equal(reloaded[n], t), n
+    next(iter(codes.values()))[0, 0, 0] += 0  # a write after the conversion: the layout is unknown now
+    with pytest.raises(mxfp4.RelaidCodesError, match="written again.*Fix: load the weights"):
+        steps[in_place](torch.tensor([1]), states[in_place])
+    with pytest.raises(mxfp4.RelaidCodesError, match="written again"):
+        in_place.decode(torch.tensor([1]), in_place.new_state(1, 4))
+
+
 class _FakeStreams:
     """runtime.StreamOps on the CPU: streams are names, and every fork / switch / join is logged in order."""
 

@@ -21,7 +21,7 @@ from k3compile.templates.moe_experts import (BIG_SCALE_EXPERTS, RING_MAX_STAGES,
 from k3compile.templates.base import BEGIN, END, KERNELS_DIR
 from template_checks import module_constants
 from k3compile.mxfp4_mirror import (decode_e2m1x8_packed, every_byte_every_scale, packed_source_bits, prepack,
-                                    scale_bf16x2, scale_big_bits, scale_fast, scale_pair)
+                                    prepack_, scale_bf16x2, scale_big_bits, scale_fast, scale_pair)
 
 GU, DC, RT = get("moe_gate_up"), get("moe_down_combine"), get("moe_route")
 
@@ -79,6 +79,22 @@ def test_prepack_is_a_bit_permutation_inside_each_word():
     assert torch.equal(prepack(packed, inverse=True), codes)
     with pytest.raises(ValueError, match="multiple of 4"):
         prepack(codes[..., :6])
+
+
+def test_prepack_in_place_matches_the_copy_across_chunks():
+    """prepack_ rewrites the tensor's own bytes, chunk by chunk (3 words a chunk over 2 x 5 x 4 words: a chunk
+    straddles rows), to what prepack returns; its inverse restores the checkpoint's bytes; a view it cannot
+    convert in place is refused with the fix."""
+    codes = torch.randint(0, 256, (2, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    t = codes.clone()
+    ptr = t.data_ptr()
+    assert prepack_(t, chunk_words=3) is t and t.data_ptr() == ptr
+    assert torch.equal(t, prepack(codes))
+    assert torch.equal(prepack_(t, inverse=True, chunk_words=7), codes)
+    with pytest.raises(ValueError, match="compact tensor"):
+        prepack_(codes.transpose(0, 1))
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        prepack_(codes.view(-1)[2:2 + 16].view(1, 16))
 
 
 def test_block_dot_in_the_mma_k_order():
