@@ -15,4 +15,10 @@ from .compiler import Options, compile_graph
 def k3compile_backend(gm, example_inputs, options: dict | None = None, **kwargs):
     if kwargs:
         raise TypeError(f"unexpected backend arguments {sorted(kwargs)}; pass k3compile options as options={{...}}")
-    return compile_graph(gm, example_inputs, Options.make(options))
+    opts = Options.make(options)
+    if opts.relay_in_place:
+        raise ValueError("relay_in_place=True needs k3compile.compile(model, options={...}): by name, Dynamo traces "
+                         "model.decode again when the batch or state changes, after the experts' codes were "
+                         "rewritten in place, which a traced graph cannot read. Fix: step = k3compile.compile(model, "
+                         "options={'relay_in_place': True}), or leave the option off here")
+    return compile_graph(gm, example_inputs, opts)

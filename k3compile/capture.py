@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from k3compile.models import ops as ref
+from k3compile.models.mxfp4 import relaid_traces_allowed
 from k3compile.models.model import K3Model
 
 # Model function -> dialect op name. The only place that knows how the eager model names its operations.
@@ -139,8 +140,8 @@ def capture(model: K3Model, *, example_batch: int = 2, max_context: int = 16) ->
 
     mark_batch_dynamic(token_ids)
     compiled = torch.compile(model.decode, backend=grab, fullgraph=True)
-    try:
-        with symbolic_batch(), torch.no_grad():
+    try:  # (relaid codes: the runtime's kernels read them in their layout, its eager fallbacks on real tensors)
+        with symbolic_batch(), torch.no_grad(), relaid_traces_allowed():
             compiled(token_ids, state)
     except _Captured:
         pass

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from .capture import InputInfo, classify_inputs, mark_batch_dynamic, symbolic_batch
+from .models.mxfp4 import relaid_traces_allowed
 from .pipeline import PassContext, copy_graph_module
 from .pipeline_table import build_pipeline
 from .templates.base import BUCKETS as DEFAULT_BUCKETS  # the batch buckets the kernel templates compile for
@@ -266,7 +267,9 @@ class CompiledDecode:
             self.dispatchers.append(d)
             return d
 
-        self._compiled = torch.compile(model.decode, backend=backend, fullgraph=True)
+        # dynamic=False: nothing but the marked batch is symbolic (Dynamo's automatic dynamic shapes would make a
+        # second state geometry symbolic, max_context included, which the kernels cannot take)
+        self._compiled = torch.compile(model.decode, backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, token_ids: torch.Tensor, state) -> torch.Tensor:
         B = token_ids.shape[0]
@@ -274,7 +277,8 @@ class CompiledDecode:
             above_largest_bucket(B, self.options.buckets, self.options)
             return self.model.decode(token_ids, state)
         mark_dynamic_inputs(token_ids, state)
-        with symbolic_batch():
+        # (a retrace goes to this backend, whose kernels take relaid codes: relay_in_place's tensors may live)
+        with symbolic_batch(), relaid_traces_allowed():
             return self._compiled(token_ids, state)
 
     @property

@@ -11,10 +11,14 @@ A kernel runtime may rewrite a ``weight_packed`` tensor's bytes in place into it
 ``relay_in_place`` option: one copy of the experts instead of two) and mark it with :func:`mark_relaid`. Every
 reader of codes that may see such a tensor goes through :func:`checkpoint_codes`, which undoes the layout of
 what it reads; a write to the tensor after the mark makes every later read an error (its layout is unknown).
+A traced graph (``torch.compile``, fake tensors) cannot see the mark, so while any such tensor lives, tracing
+a read of codes is an error too, except inside :func:`relaid_traces_allowed` (k3compile's own capture, whose
+graph reads the experts through kernels that take that layout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -46,10 +50,28 @@ class RelaidCodesError(RuntimeError):
     """Codes rewritten in place into a kernel layout were written again: their layout is unknown."""
 
 
+_RELAID: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # the live tensors mark_relaid marked
+_TRACES_ALLOWED = [0]  # depth of relaid_traces_allowed()
+
+
 def mark_relaid(packed: torch.Tensor, layout: str, undo) -> None:
     """Record that ``packed``'s bytes were just rewritten in place into ``layout``; ``undo(t)`` maps codes of
     that layout (``packed`` or rows gathered from it) back to the checkpoint's, as a new tensor."""
     setattr(packed, RELAID_ATTR, (layout, packed._version, undo))
+    _RELAID.add(packed)
+
+
+@contextlib.contextmanager
+def relaid_traces_allowed():
+    """Inside, tracing a read of codes is allowed while relaid tensors live: for a tracer whose graph never
+    reads codes through :func:`checkpoint_codes` at run time (k3compile's capture: its runtime feeds the
+    experts to kernels that take the relaid layout, and its eager fallbacks run the model's ops on the real
+    tensors)."""
+    _TRACES_ALLOWED[0] += 1
+    try:
+        yield
+    finally:
+        _TRACES_ALLOWED[0] -= 1
 
 
 def relaid_layout(packed: torch.Tensor) -> str | None:
@@ -71,8 +93,18 @@ def relaid_layout(packed: torch.Tensor) -> str | None:
 def checkpoint_codes(packed: torch.Tensor, index=None) -> torch.Tensor:
     """``packed`` (or ``packed[index]``) in the checkpoint's layout: the tensor (view) itself, or, if a runtime
     rewrote it in place (:func:`mark_relaid`), the rows read through the undo (a new tensor)."""
+    from torch._subclasses.fake_tensor import is_fake
+
     rows = packed if index is None else packed[index]
-    if torch.compiler.is_compiling() or relaid_layout(packed) is None:  # (a traced graph sees no attributes)
+    if is_fake(packed) or torch.compiler.is_compiling() or packed.device.type == "meta":
+        if len(_RELAID) and not _TRACES_ALLOWED[0]:  # a traced graph sees no mark: it would read them raw
+            raise RelaidCodesError(
+                f"tracing a read of MXFP4 codes while {len(_RELAID)} codes tensor(s) of this process are rewritten "
+                f"in place into a kernel layout (k3compile relay_in_place): the traced graph cannot tell them from "
+                f"the checkpoint's and would read them wrongly. Fix: trace (torch.compile) a model that was not "
+                f"compiled with relay_in_place=True, or free that model first")
+        return rows
+    if relaid_layout(packed) is None:
         return rows
     return getattr(packed, RELAID_ATTR)[2](rows)
 
@@ -135,7 +167,7 @@ def dequantize_static(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfl
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(packed) or packed.device.type == "meta" or torch.compiler.is_compiling():
-        return dequantize(packed, scale, dtype)
+        return dequantize(checkpoint_codes(packed), scale, dtype)
     key = (packed._version, id(scale), scale._version, dtype)
     hit = _DEQUANT_CACHE.get(id(packed))
     if hit is not None and hit[0]() is packed and hit[1] == key:

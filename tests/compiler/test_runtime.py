@@ -461,15 +461,37 @@ def test_weights_in_a_kernel_layout_are_converted_once_and_kept_with_the_weight(
     assert runtime.relaid_bytes() == before  # the copies live and die with their weight
 
 
+def test_a_second_state_geometry_is_one_more_specialisation(mini_model):
+    """A state of another capacity and max_context compiles once more (its geometry static, the batch still
+    symbolic) and gives what a step compiled for it alone gives; Dynamo's automatic dynamic shapes made the
+    second geometry symbolic before, which the MLA kernels refused (lmax=s79)."""
+    from torch._dynamo.utils import counters
+
+    step = _compile(mini_model, (1, 4))
+    with one_thread():
+        for b in (1, 3):
+            step(torch.arange(b), mini_model.new_state(4, 16))
+        got = step(torch.tensor([5]), mini_model.new_state(1, 8))
+        assert counters["stats"]["unique_graphs"] == 2 and len(step.dispatchers) == 2
+        torch._dynamo.reset()
+        want = _compile(mini_model, (1, 4))(torch.tensor([5]), mini_model.new_state(1, 8))
+    assert torch.equal(got, want)
+
+
 def test_relay_in_place_keeps_one_copy_of_the_experts_and_the_model_reads_them_back(mini_ckpt, tmp_path,
                                                                                     monkeypatch):
     """Option relay_in_place: the first step rewrites the routed experts' codes in their own memory (no copy
     kept: relaid_bytes 0) and the steps give bit for bit the logits and state of the copying runtime. The model
     still reads its codes as the checkpoint's: its eager decode (both expert paths), save_checkpoint. A write
-    to the codes afterwards is refused by the runtime and the eager op, naming the fix."""
+    to the codes afterwards is refused by the runtime and the eager op, naming the fix; so is a graph traced by
+    another compiler (it cannot see which layout the codes are in) and the backend by name (it traces again)."""
     from k3compile.models import load_pretrained, mxfp4, ops, save_checkpoint
 
     copying, in_place = load_pretrained(mini_ckpt), load_pretrained(mini_ckpt)
+    with pytest.raises(Exception, match="relay_in_place=True needs k3compile.compile"):
+        torch.compile(in_place.decode, backend="k3compile", options={"relay_in_place": True})(
+            torch.tensor([1]), in_place.new_state(1, 4))
+    torch._dynamo.reset()
     codes = {n: t for n, t in in_place.named_buffers() if n.endswith("_packed")}
     originals = {n: t.clone() for n, t in codes.items()}
     ptrs = {n: t.data_ptr() for n, t in codes.items()}
@@ -496,6 +518,12 @@ def test_relay_in_place_keeps_one_copy_of_the_experts_and_the_model_reads_them_b
     reloaded = dict(load_pretrained(str(tmp_path / "ckpt")).named_buffers())
     for n, t in originals.items():
         assert torch.equal(reloaded[n], t), n
+    with one_thread():  # a new state capacity: Dynamo traces again, for this backend (allowed)
+        got = {m: steps[m](torch.tensor([4]), m.new_state(1, 8)) for m in steps}
+    assert torch.equal(got[copying], got[in_place])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?s)RelaidCodesError.*tracing a read of MXFP4 codes.*Fix: trace"):
+        torch.compile(in_place.decode, backend="aot_eager")(torch.tensor([1]), in_place.new_state(1, 4))
     next(iter(codes.values()))[0, 0, 0] += 0  # a write after the conversion: the layout is unknown now
     with pytest.raises(mxfp4.RelaidCodesError, match="written again.*Fix: load the weights"):
         steps[in_place](torch.tensor([1]), states[in_place])
