@@ -74,7 +74,7 @@ def cmd_plan(args) -> int:
     if not args.context < cap <= cfg.max_position_embeddings:
         raise ValueError(f"--max-context {cap} must be above --context {args.context} and at most {cfg.name}'s "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
-    mem = rank_memory(cfg, tp=args.tp, bucket=args.bucket, max_context=cap)
+    mem = rank_memory(cfg, tp=args.tp, bucket=args.bucket, max_context=cap, relay_in_place=args.relay_in_place)
     if args.json:
         print(json.dumps({**json.loads(dumps(plan, args.bandwidth)), "memory": mem.to_json()}, indent=1))
     else:
@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-context", type=int, default=None,
                     help="positions the decode state has room for (the memory per rank; default: the config's "
                          "max_position_embeddings)")
+    pl.add_argument("--relay-in-place", action="store_true",
+                    help="the memory as compiled with options={'relay_in_place': True}: the routed experts' codes "
+                         "rewritten into the kernels' layout in their own memory, no relaid copy")
     pl.add_argument("--bandwidth", type=float, default=4.2e12, help="HBM bandwidth in bytes/s for the floor")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.set_defaults(func=cmd_plan)

@@ -34,8 +34,13 @@ def test_relaid_copy_matches_the_runtime_on_the_h200():
 
 def test_text_names_the_fix_when_a_rank_does_not_fit():
     big = rank_memory(kimi_k3(), tp=8, bucket=1, max_context=32768)
-    assert big.total > H200_BYTES and "a larger TP size" in big.text() and "relaid copy" in big.text()
+    assert big.total > H200_BYTES and "a larger TP size" in big.text() and "use relay_in_place" in big.text()
     assert "a larger TP size" not in rank_memory(kimi_k3(), tp=16, bucket=1).text()  # 16 is the largest
+    # the real config at TP 16 with room for every position fits one H200 only without the relaid copy
+    tp16, tp16_in_place = (rank_memory(kimi_k3(), tp=16, bucket=1, relay_in_place=p) for p in (False, True))
+    assert tp16.total > H200_BYTES > tp16_in_place.total and tp16_in_place.relaid == 0
+    assert tp16.total - tp16_in_place.total == tp16.relaid and "more than" not in tp16_in_place.text()
+    assert "relaid in place" in tp16_in_place.text()
     small = rank_memory(k3_slice(4), tp=8, bucket=16, max_context=4096)
     assert small.total < H200_BYTES and "more than" not in small.text()
     with pytest.raises(ValueError, match="bucket"):
@@ -52,6 +57,9 @@ def test_plan_prints_and_writes_the_memory():
     assert json.loads(res.stdout)["memory"] == rank_memory(k3_mini(), tp=2, bucket=4, max_context=512).to_json()
     res = run("--bucket", "1")
     assert res.returncode == 0 and "memory per rank (k3_mini, TP1, bucket 1" in res.stdout, res.stderr
+    res = run("--bucket", "1", "--relay-in-place", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["memory"] == rank_memory(k3_mini(), tp=1, bucket=1, relay_in_place=True).to_json()
     res = run("--context", "600", "--max-context", "512")
     assert res.returncode != 0 and "--max-context 512 must be above --context 600" in res.stderr
     assert "Traceback" not in res.stderr
