@@ -272,6 +272,8 @@ class CompiledDecode:
         self._compiled = torch.compile(model.decode, backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, token_ids: torch.Tensor, state) -> torch.Tensor:
+        # eager's argument errors, before Dynamo (which would report a raise while tracing as a graph break)
+        self.model.check_decode_args(token_ids, state)
         B = token_ids.shape[0]
         if bucket_for(B, self.options.buckets) is None:
             above_largest_bucket(B, self.options.buckets, self.options)

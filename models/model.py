@@ -141,19 +141,39 @@ class K3Model(nn.Module):
         rows = self.embed_tokens.weight[local.clamp(0, per - 1)]
         return all_reduce(torch.where(mine[:, None], rows, torch.zeros_like(rows)), self.tp)
 
-    def decode(self, token_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """One decode step: ``token_ids [B]`` (rows 0..B-1 of ``state``) -> fp32 logits ``[B, vocab]``."""
-        cfg = self.config
+    def check_decode_args(self, token_ids: torch.Tensor, state: DecodeState) -> None:
+        """The checks of :meth:`decode` that need no data (shapes, dtypes, devices): a compiled step runs them
+        before its graph, so a wrong argument gets the same error as in eager mode."""
         if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
             raise ValueError("token_ids must be a 1-D LongTensor [batch] (one new token per sequence)")
         if token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token_ids must be an integer tensor (torch.long), got {token_ids.dtype}")
+        if token_ids.device != self.device:
+            raise ValueError(f"token_ids are on {token_ids.device}, the model on {self.device}; move them there")
         B = token_ids.shape[0]
         if B > state.batch_size:
             raise ValueError(f"batch of {B} token ids exceeds the state's batch size {state.batch_size}; "
                              f"create the state with model.new_state({B}, max_context)")
         if B < 1:
             raise ValueError("token_ids is empty")
+        if not isinstance(state, DecodeState) or len(state.layers) != len(self.layers) or any(
+                isinstance(s, KDAState) == layer.is_mla for s, layer in zip(state.layers, self.layers)):
+            raise ValueError("state is not a decode state of this model's layers; create it with "
+                             "model.new_state(batch, max_context)")
+        for s in state.layers:  # (the KDA recurrent state is fp32 whatever the model's dtype)
+            for t, want in ((s.conv_q, self.dtype), (s.conv_k, self.dtype), (s.conv_v, self.dtype),
+                            (s.recurrent, torch.float32)) if isinstance(s, KDAState) else ((s, self.dtype),):
+                if t.device == self.device and t.dtype == want:
+                    continue
+                raise ValueError(f"the state holds a {t.dtype} tensor on {t.device} where this model ({self.dtype} "
+                                 f"on {self.device}) keeps {want}: create the state with this model's "
+                                 f"new_state(batch, max_context)")
+
+    def decode(self, token_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One decode step: ``token_ids [B]`` (rows 0..B-1 of ``state``) -> fp32 logits ``[B, vocab]``."""
+        cfg = self.config
+        self.check_decode_args(token_ids, state)
+        B = token_ids.shape[0]
         positions = torch.ops.k3model.check_decode_inputs(token_ids, state.lengths[:B], cfg.vocab_size,
                                                            state.max_context)
         eps = cfg.rms_norm_eps

@@ -152,6 +152,26 @@ def test_bad_inputs_are_checked_before_the_step(mini_model):
         step(torch.tensor([1, 2]), state)
 
 
+def test_bad_arguments_get_eagers_errors(mini_model, model_f32):
+    """A wrong argument gets from the compiled step the error eager decode gives (before Dynamo, which would
+    report it as a graph break), and the compiled step runs nothing: the token ids' rank, dtype and count,
+    and a state of another model's dtype (which reached a kernel as 'a binding bug' before)."""
+    runtime.reset_launch_counts()
+    step = _compile(mini_model, (1, 4))
+    state = mini_model.new_state(4, 16)
+    bad = {"1-D LongTensor": (torch.tensor([[1, 2]]), state),
+           "integer tensor": (torch.tensor([1.0, 2.0]), state),
+           "token_ids is empty": (torch.tensor([], dtype=torch.long), state),
+           "exceeds the state's batch size 4": (torch.arange(5), state),
+           "float32 tensor on cpu where this model .torch.bfloat16 on cpu. keeps torch.bfloat16":
+               (torch.tensor([1]), model_f32.new_state(4, 16))}
+    for message, (ids, st) in bad.items():
+        for fn in (step, mini_model.decode):
+            with pytest.raises((ValueError, TypeError), match=message):
+                fn(ids, st)
+    assert state.lengths.tolist() == [0, 0, 0, 0] and runtime.launch_counts() == {}
+
+
 def test_kernel_options_errors(mini_model):
     with pytest.raises(ValueError, match="kernels='bogus'.*package:DIR"):
         k3compile.compile(mini_model, options={"kernels": "bogus"})
