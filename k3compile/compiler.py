@@ -283,6 +283,12 @@ class CompiledDecode:
         with symbolic_batch(), relaid_traces_allowed():
             return self._compiled(token_ids, state)
 
+    def state_rows(self, batch: int) -> int:
+        """Rows a decode state needs for ``batch`` sequences here: the bucket the batch is padded to (the kernel
+        runtime keeps the padding rows' state as it found it), or the batch itself above the largest bucket
+        (eager fallback). ``K3Model.generate`` allocates its state with it."""
+        return bucket_for(batch, self.options.buckets) or batch
+
     @property
     def graphs(self) -> dict[int, torch.fx.GraphModule]:
         if not self.dispatchers:

@@ -1014,7 +1014,8 @@ class KernelDispatcher:
                 raise RuntimeError_(
                     f"batch {B} runs in bucket {b}, but the state holds only {lengths.shape[0]} rows; the compiled "
                     f"step pads the batch to its bucket. Fix: allocate the state with model.new_state({b} or more, "
-                    f"max_context) (rows past the batch are kept exactly as they were)")
+                    f"max_context) (rows past the batch are kept exactly as they were); model.generate does so "
+                    f"with decode=k3compile.compile(model, ...)")
             saved = self._save_padding_rows(args, B, b)
             args[self.token_index] = torch.cat([tokens, tokens.new_zeros(b - B)])
         for i in self.sym_index:

@@ -214,7 +214,8 @@ class K3Model(nn.Module):
 
         Prompts may differ in length: a sequence starts sampling after its last prompt token while the
         others are still reading theirs. Greedy at temperature 0. ``decode`` lets a compiled step
-        (e.g. ``torch.compile(model.decode, backend="k3compile")``) stand in for ``self.decode``.
+        (``k3compile.compile(model)``) stand in for ``self.decode``; the state gets the rows it asks for
+        (``decode.state_rows(batch)``: a kernel runtime pads the batch to its bucket), else one per prompt.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
@@ -226,7 +227,8 @@ class K3Model(nn.Module):
         B = len(prompts)
         lens = [len(p) for p in prompts]
         total = max(lens) + max_new_tokens - 1
-        state = self.new_state(B, max(lens) + max_new_tokens)
+        rows = getattr(step, "state_rows", None)
+        state = self.new_state(rows(B) if rows else B, max(lens) + max_new_tokens)
         out: list[list[int]] = [[] for _ in range(B)]
         current = torch.tensor([p[0] for p in prompts], dtype=torch.long, device=self.device)
         for t in range(total):

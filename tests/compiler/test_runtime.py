@@ -172,6 +172,19 @@ def test_bad_arguments_get_eagers_errors(mini_model, model_f32):
     assert state.lengths.tolist() == [0, 0, 0, 0] and runtime.launch_counts() == {}
 
 
+def test_generate_with_a_compiled_step_gives_the_state_the_buckets_rows(mini_model):
+    """model.generate(decode=step) on the kernel runtime with three prompts: the batch runs padded into bucket
+    4, so the state gets 4 rows (step.state_rows), where it got one per prompt and the step refused it."""
+    step = _compile(mini_model, (1, 4))
+    assert [step.state_rows(b) for b in (1, 2, 3, 4, 9)] == [1, 4, 4, 4, 9]  # 9: above the largest bucket
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    with one_thread():
+        out = mini_model.generate(prompts, 2, decode=step)
+    assert [len(o) for o in out] == [2, 2, 2]
+    assert all(0 <= t < mini_model.config.vocab_size for o in out for t in o)
+    assert step.dispatchers[-1].calls[4] == 4  # 3 prompt steps + 1: every step in bucket 4
+
+
 def test_kernel_options_errors(mini_model):
     with pytest.raises(ValueError, match="kernels='bogus'.*package:DIR"):
         k3compile.compile(mini_model, options={"kernels": "bogus"})
