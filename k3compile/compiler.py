@@ -195,7 +195,25 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp
         log.warning("k3compile: %s; running the lowered graph through the K3 dialect's eager implementations",
                     "no CUDA device" if tok.device.type != "cuda" else "kernels='eager' was asked for")
         return BucketDispatcher(graphs, token_index, options, fallback=gm.forward)
+    _check_static_geometry(gm, inputs, sym)
     return _kernel_dispatcher(graphs, inputs, kernels, tok.device, tp_size, options, gm.forward)
+
+
+def _check_static_geometry(gm: torch.fx.GraphModule, inputs, batch_symbol) -> None:
+    """The kernels are specialised to every size but the batch: refuse a graph in which Dynamo made another size
+    symbolic (by name, its automatic dynamic shapes do so when a state of another capacity or max_context comes)."""
+    for node, info in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
+        ev = node.meta.get("example_value")
+        if not isinstance(ev, torch.Tensor):  # (a size input: its symbol is some tensor's size too)
+            continue
+        loose = sorted({str(s) for d in ev.shape if isinstance(d, torch.SymInt)
+                        for s in d.node.expr.free_symbols if s != batch_symbol})
+        if loose:
+            raise BucketError(
+                f"{info.kind} input {info.label} has a symbolic size ({', '.join(loose)}): Dynamo's automatic dynamic shapes made it "
+                f"so when a state of another capacity or max_context came; the kernels take every size but the "
+                f"batch as a constant. Fix: step = k3compile.compile(model, ...): one graph for every batch, and "
+                f"each state geometry one more compile")
 
 
 def _kernel_dispatcher(graphs, inputs, kernels: str, device, tp_size: int, options: Options, fallback):

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import k3compile
 from k3compile.compiler import BucketError
-from cpu import run_gloo
+from cpu import one_thread, run_gloo
 
 BATCHES = list(range(1, 17)) + [64]
 # TP 2 over gloo (two CPU processes, several times the cost per step): every bucket exactly, and batches
@@ -69,6 +69,23 @@ def test_backend_by_name_with_options(mini_model, tmp_path):
                          options={"buckets": (4,), "dump_dir": str(tmp_path)})
     assert _decode_both(mini_model, step, 2, 2, seed=3) == 0.0
     assert (tmp_path / "tp1_bucket4" / "04_fuse_attn_res_norm.diff").exists()
+
+
+def test_backend_by_name_refuses_a_symbolic_state_geometry_for_the_kernels(mini_model):
+    """By name, Dynamo's automatic dynamic shapes make the state's sizes symbolic when a second geometry comes;
+    the kernel runtime refuses that graph naming the fix (the MLA template's 'lmax=s79' error before). The
+    eager dialect ops take it."""
+    step = torch.compile(mini_model.decode, backend="k3compile", options={"kernels": "reference", "buckets": (1,)})
+    with one_thread():
+        step(torch.tensor([1]), mini_model.new_state(1, 16))
+        with pytest.raises(Exception, match=r"(?s)state input .* has a symbolic size.*Fix: step = k3compile.compile"):
+            step(torch.tensor([1]), mini_model.new_state(2, 8))
+    torch._dynamo.reset()
+    eager = torch.compile(mini_model.decode, backend="k3compile", options={"kernels": "eager", "buckets": (1,)})
+    with one_thread():
+        for st in (mini_model.new_state(1, 16), mini_model.new_state(2, 8)):
+            want = mini_model.decode(torch.tensor([1]), st.clone())
+            assert torch.equal(eager(torch.tensor([1]), st), want)
 
 
 def test_batch_above_largest_bucket(mini_model, caplog):
