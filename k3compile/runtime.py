@@ -208,6 +208,11 @@ def _relaid(kernel: str, a, t: torch.Tensor, in_place: bool = False) -> torch.Te
     key = (a.layout, t.data_ptr(), t._version, tuple(t.shape))
     hit = getattr(t, "_k3_relaid", None)
     if hit is not None and hit[0] == key:
+        if in_place and not getattr(t, "_k3_copy_kept", False):  # (an earlier step's CUDA graph may read the copy)
+            t._k3_copy_kept = True
+            log.warning("%s: weight %s already has a copy in the kernel's layout, made by a step compiled without "
+                        "relay_in_place; that copy stays in use and no memory is saved. Fix: load the model afresh "
+                        "for relay_in_place", kernel, a.name)
         return hit[1]
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError_(f"{kernel}: weight {a.name} would be converted to the kernel's layout inside a CUDA "

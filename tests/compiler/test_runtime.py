@@ -15,6 +15,7 @@ are the precise test and end-to-end agreement is checked on the GPU with the rea
 
 import contextlib
 import gc
+import logging
 
 import pytest
 import torch
@@ -512,12 +513,13 @@ def test_a_second_state_geometry_is_one_more_specialisation(mini_model):
 
 
 def test_relay_in_place_keeps_one_copy_of_the_experts_and_the_model_reads_them_back(mini_ckpt, tmp_path,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, caplog):
     """Option relay_in_place: the first step rewrites the routed experts' codes in their own memory (no copy
     kept: relaid_bytes 0) and the steps give bit for bit the logits and state of the copying runtime. The model
     still reads its codes as the checkpoint's: its eager decode (both expert paths), save_checkpoint. A write
     to the codes afterwards is refused by the runtime and the eager op, naming the fix; so is a graph traced by
-    another compiler (it cannot see which layout the codes are in) and the backend by name (it traces again)."""
+    another compiler (it cannot see which layout the codes are in) and the backend by name (it traces again).
+    A model whose codes already have a copy (compiled before without the option) keeps it, with a warning."""
     from k3compile.models import load_pretrained, mxfp4, ops, save_checkpoint
 
     copying, in_place = load_pretrained(mini_ckpt), load_pretrained(mini_ckpt)
@@ -538,6 +540,10 @@ def test_relay_in_place_keeps_one_copy_of_the_experts_and_the_model_reads_them_b
         assert torch.equal(a, b)
     assert runtime.relaid_bytes(in_place) == 0
     assert runtime.relaid_bytes(copying) == sum(t.numel() for t in originals.values())
+    with caplog.at_level(logging.WARNING, logger="k3compile"), one_thread():  # the copy made before stays in use
+        _compile(copying, (1,), relay_in_place=True)(torch.tensor([1]), copying.new_state(1, 4))
+    assert runtime.relaid_bytes(copying) == sum(t.numel() for t in originals.values())
+    assert sum("no memory is saved. Fix: load the model afresh" in r.getMessage() for r in caplog.records) == len(originals)
     for n, t in codes.items():  # rewritten where they lie; read back as the checkpoint's
         assert t.data_ptr() == ptrs[n] and not torch.equal(t, originals[n]), n
         assert mxfp4.relaid_layout(t) == "mxfp4_prepacked" and torch.equal(mxfp4.checkpoint_codes(t), originals[n])
