@@ -210,8 +210,9 @@ def _check_static_geometry(gm: torch.fx.GraphModule, inputs, batch_symbol) -> No
                         for s in d.node.expr.free_symbols if s != batch_symbol})
         if loose:
             raise BucketError(
-                f"{info.kind} input {info.label} has a symbolic size ({', '.join(loose)}): Dynamo's automatic dynamic shapes made it "
-                f"so when a state of another capacity or max_context came; the kernels take every size but the "
+                f"{info.kind} input {info.label} has a symbolic size ({', '.join(loose)}): Dynamo's automatic "
+                f"dynamic shapes made it so when a state of another capacity or max_context came; the kernels take "
+                f"every size but the "
                 f"batch as a constant. Fix: step = k3compile.compile(model, ...): one graph for every batch, and "
                 f"each state geometry one more compile")
 
