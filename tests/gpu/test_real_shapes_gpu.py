@@ -15,7 +15,9 @@ at a time).
 * end to end: 256 steps through the CUDA graphs against the same lowered graph run through the K3
   dialect's eager ops, teacher-forced on the latter's greedy tokens: median logit error <= 2e-2 x sqrt(MoE
   layers), top-1 agreement >= 0.90; the launch counters show every planned kernel ran on every step, and
-  the shared expert ran on its side stream (on by default on CUDA) in every MoE layer.
+  the shared expert ran on its side stream (on by default on CUDA) in every MoE layer;
+* ``relay_in_place``: the same logits bit for bit as the copying runtime, without the experts' relaid copy in
+  GPU memory.
 
 Why the end-to-end reference is the eager *graph*, not ``model.decode``: under emulation the two compute
 different functions. ``shard_routing`` computes the router and the latent down-projection as rank-local
