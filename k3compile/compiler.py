@@ -182,21 +182,37 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, tp
         log.info("k3compile: batch specialised to %d by Dynamo; use k3compile.compile(model) (or "
                  "torch._dynamo.mark_dynamic(token_ids, 0)) for one graph serving every bucket", tok.shape[0])
         buckets = (b,)
+    kernels = kernels_for(options, tok.device)
+    if kernels != "eager":
+        check_kernel_buckets(buckets)
     graphs = {b: lower(gm, inputs, tp_size=tp_size, bucket=b, options=options, batch_symbol=sym, tp_rank=tp_rank)
               for b in buckets}
-    kernels = options.kernels
-    if kernels is None:
-        if tok.device.type == "cuda":
-            pkg = os.environ.get("K3_KERNEL_PACKAGE")
-            kernels = f"package:{pkg}" if pkg else "jit"
-        else:
-            kernels = "eager"
     if kernels == "eager":
         log.warning("k3compile: %s; running the lowered graph through the K3 dialect's eager implementations",
                     "no CUDA device" if tok.device.type != "cuda" else "kernels='eager' was asked for")
         return BucketDispatcher(graphs, token_index, options, fallback=gm.forward)
     _check_static_geometry(gm, inputs, sym)
     return _kernel_dispatcher(graphs, inputs, kernels, tok.device, tp_size, options, gm.forward)
+
+
+def kernels_for(options: Options, device) -> str:
+    """Where a step on ``device`` takes its kernels from: ``options.kernels``, else on CUDA the package named by
+    ``$K3_KERNEL_PACKAGE`` or "jit", elsewhere "eager"."""
+    if options.kernels is not None:
+        return options.kernels
+    if torch.device(device).type == "cuda":
+        pkg = os.environ.get("K3_KERNEL_PACKAGE")
+        return f"package:{pkg}" if pkg else "jit"
+    return "eager"
+
+
+def check_kernel_buckets(buckets: Sequence[int]) -> None:
+    """The kernel templates are built for DEFAULT_BUCKETS only (the eager dialect ops take any bucket)."""
+    bad = [b for b in buckets if b not in DEFAULT_BUCKETS]
+    if bad:
+        raise BucketError(f"buckets {bad} have no kernels: the templates are built for buckets {DEFAULT_BUCKETS}, "
+                          f"and a batch in between runs padded to the next one. Fix: compile with buckets from "
+                          f"those, or kernels='eager'")
 
 
 def _check_static_geometry(gm: torch.fx.GraphModule, inputs, batch_symbol) -> None:
@@ -291,8 +307,11 @@ class CompiledDecode:
         self._compiled = torch.compile(model.decode, backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, token_ids: torch.Tensor, state) -> torch.Tensor:
-        # eager's argument errors, before Dynamo (which would report a raise while tracing as a graph break)
+        # eager's argument errors and the buckets, before Dynamo (which would report a raise while tracing as a
+        # graph break)
         self.model.check_decode_args(token_ids, state)
+        if kernels_for(self.options, token_ids.device) != "eager":
+            check_kernel_buckets(self.options.buckets)
         B = token_ids.shape[0]
         if bucket_for(B, self.options.buckets) is None:
             above_largest_bucket(B, self.options.buckets, self.options)

@@ -189,6 +189,12 @@ def test_generate_with_a_compiled_step_gives_the_state_the_buckets_rows(mini_mod
 def test_kernel_options_errors(mini_model):
     with pytest.raises(ValueError, match="kernels='bogus'.*package:DIR"):
         k3compile.compile(mini_model, options={"kernels": "bogus"})
+    # a bucket no template is built for: refused before Dynamo runs (the eager dialect ops take it)
+    with pytest.raises(k3compile.BucketError, match=r"buckets \[3\] have no kernels.*Fix: compile with buckets"):
+        _compile(mini_model, (1, 3))(torch.tensor([1]), mini_model.new_state(3, 4))
+    with one_thread():
+        k3compile.compile(mini_model, buckets=(3,), options={"kernels": "eager"})(
+            torch.tensor([1, 2]), mini_model.new_state(3, 4))
     step = k3compile.compile(mini_model, buckets=(1,), options={"kernels": "jit"})
     with pytest.raises(Exception, match="needs a CUDA device.*kernels='eager' or 'reference'"):
         step(torch.tensor([1]), mini_model.new_state(1, 4))
