@@ -20,6 +20,7 @@ MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
 PF_CTAS = 4  # FMA path with an L2 prefetch, batch 1-2: CTAs per SM that fit (<= 64 registers); 2 from batch 4
 STAGE_X_BYTES = 64 * 1024  # a prologue's xin (M x K bf16) at most this size is formed once per CTA in shared memory
 SMEM_PER_SM = 200 * 1024  # of the H200's 228 KiB, what staged-xin CTAs may take on one SM together
+HOLD_VECS = 16  # FMA path with HOLD: 128-bit weight vectors a lane holds at most (64 registers)
 
 
 def segment_views(out: torch.Tensor, widths: tuple) -> list[torch.Tensor]:
@@ -186,7 +187,7 @@ class Gemv(Template):
     def constants(self, *, bucket: int, n: int, k: int, n_f32: int = 0, pro: str = "none", eps: float = 1e-5,
                   beta: float = 4.0, linear_beta: float = 25.0, mma: bool | None = None,
                   segments: tuple = (), replicas: tuple = (), f32_replicas: int = 1, prefetch: int = 0,
-                  split: int | None = None, row_tiles: int | None = None) -> list:
+                  split: int | None = None, row_tiles: int | None = None, hold: bool | None = None) -> list:
         need_bucket("gemv", bucket)
         need(isinstance(n, int) and n >= 1, f"gemv: n (rows of W) must be a positive int, got {n!r}")
         need(isinstance(k, int) and k >= 8 and k % 8 == 0,
@@ -220,7 +221,11 @@ class Gemv(Template):
             rows //= 2
         mb = min(m, 8)  # batch chunk: ROWS x MB accumulators per lane (<= 32 registers)
         ksteps = k // 256
-        unroll = min(ksteps, 4 if m <= 2 else 2 if m <= 8 else 1)  # weight loads in flight per lane
+        # Weight loads in flight per lane: ROWS x UNROLL vectors. Two rows per task halve the warps of a grid, so
+        # at batch 3-4 UNROLL 4 keeps as many bytes in flight per SM as batch 1-2 (one row, UNROLL 4): with 2, the
+        # batch-4 front GEMV streamed at 81 % of the copy bandwidth against 100 % at batch 1 (BENCHMARKS.md,
+        # thirty-sixth entry).
+        unroll = min(ksteps, 4 if m <= 4 else 2 if m <= 8 else 1)
         warps = 8
         tasks = (n // rows) * (m // mb)
         # A prologue's xin formed once per CTA in shared memory (stage_x) when it fits STAGE_X_BYTES; the grid
@@ -254,6 +259,22 @@ class Gemv(Template):
             need(kst % split == 0, f"gemv: split={split} must divide the {kst} K stages of {32 * warps} elements "
                                    f"(K={k}); pick a divisor or leave it unset")
         split = split or 1
+        need(hold in (None, False, True), f"gemv: hold={hold!r} must be True, False or unset (None: where it applies)")
+        want, hold = hold, False
+        if not use_mma and not prefetch and want is not False:
+            # HOLD: where a grid of at most one CTA per SM gives every warp one task whose rows fit HOLD_VECS
+            # vectors a lane (fewer rows per task if that is what it takes), the warp loads them all before the
+            # PDL wait: whole rows in flight, overlapping the prologue and the previous kernel's end
+            nsteps = -(-k // 256)
+            for r in sorted({rows, 1}, reverse=True):
+                t = (n // r) * (m // mb)
+                g = max(1, min(math.ceil(t / warps), cap))
+                if n % r == 0 and g <= SMS and t <= g * warps and r * nsteps <= HOLD_VECS:
+                    rows, tasks, grid, hold = r, t, g, True
+                    break
+        need(want is not True or hold,
+             f"gemv: hold=True needs the FMA path without prefetch, a grid of at most {SMS} CTAs giving every warp one "
+             f"task, and at most {HOLD_VECS} 128-bit weight vectors a lane (bucket {m}, n={n}, k={k}); leave it unset")
         need(isinstance(prefetch, int) and prefetch >= 0 and prefetch % 16 == 0,
              f"gemv: prefetch={prefetch!r} (bytes of each weight row pulled into L2 before the PDL wait) must be a "
              f"non-negative multiple of 16 (cp.async.bulk.prefetch sizes); pass 0 for the default")
@@ -290,7 +311,9 @@ class Gemv(Template):
                                           "the main loop reads it there"),
                 const("PREFETCH", prefetch, "bytes of each weight row the warp owning it bulk-prefetches into L2 "
                                             "before the PDL wait (0: each warp the first vectors of its first "
-                                            "task's rows)")]
+                                            "task's rows)"),
+                const("HOLD", hold, "one task per warp: its weight rows are loaded into registers before the PDL "
+                                    "wait (whole rows in flight)")]
 
     def examples(self):
         from k3compile.models.config import get_config
@@ -373,6 +396,17 @@ class Gemv(Template):
         up = {"n": k3.hidden_size // tp, "k": k3.routed_expert_hidden_size, "segments": (k3.hidden_size // tp,),
               "replicas": (tp,)}
         ex["k3tp8_ffnup_shard_b1"] = {"bucket": 1, **up, "pro": "rms_norm", "eps": k3.rms_norm_eps}
+        # at batch 4 one row per warp task, every warp's rows held in registers from before the wait (HOLD)
+        ex["k3tp8_ffnup_shard_b4"] = {"bucket": 4, **up, "pro": "rms_norm", "eps": k3.rms_norm_eps}
+        # the same two without HOLD (the knob): the kernels before it, timed beside them in one run
+        ex["k3tp8_ffnup_shard_nohold_b1"] = {**ex["k3tp8_ffnup_shard_b1"], "hold": False}
+        ex["k3tp8_ffnup_shard_nohold_b4"] = {**ex["k3tp8_ffnup_shard_b4"], "hold": False}
+        # at TP 16: 448 rows (56 CTAs); and the MLA's q up-projection with the q_a RMSNorm at batch 4 (1152 rows
+        # of K 1536: two rows per task, 6 vectors each)
+        ex["k3tp16_ffnup_shard_b2"] = {"bucket": 2, "n": k3.hidden_size // 16, "k": k3.routed_expert_hidden_size,
+                                       "segments": (k3.hidden_size // 16,), "replicas": (16,), "pro": "rms_norm",
+                                       "eps": k3.rms_norm_eps}
+        ex["k3tp16_qup_norm_b4"] = {"bucket": 4, "n": 1152, "k": k3.q_lora_rank, "pro": "rms_norm", "eps": 1e-6}
         ex["k3tp8_ffnup_shard_b8"] = {"bucket": 8, **up}
         ex["k3tp8_ffnup_shard_b64"] = {"bucket": 64, **up}  # 56 row tiles: K split over CTA pairs (mma_split)
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,

@@ -38,6 +38,13 @@ the residual kernel: their latency leaves HBM idle), so that much of the weight 
 when the wait returns (``codegen._gemv_prefetch``).
 For M <= 2 this is one warp per weight row streaming at the copy ceiling; for larger M the batch is
 processed MB rows at a time so the accumulators (ROWS x MB) stay in registers without spilling.
+HOLD (a grid of at most one CTA per SM where every warp has exactly one task of at most 16 vectors a lane:
+the FFN tail's row-sharded latent up-projection, 896 x 3584 at TP 8, batch 1-4): the warp loads every
+vector of its task's rows into registers before the PDL wait, so whole rows are in flight while the
+previous kernel ends and the prologue runs. Such a grid leaves few warps per SM, and with UNROLL vectors in
+flight a warp their bytes in flight, not HBM, set the rate (at batch 4 two rows per task halved the grid
+to 56 CTAs: 11.4 us for a 2.2 us floor on the H100); with HOLD the template takes one row per task if that
+is what fits.
 
 RMSNorm prologue: before its tasks, each CTA computes rstd for all M batch rows, one row after another with
 all of its threads (each sums the squares of its vectors of the row, loaded together; a warp butterfly, then
@@ -85,12 +92,14 @@ REPLICAS = ()  # with SEGMENTS: copies of each block side by side ([M, r * w], c
 F32_REPLICAS = 1  # copies of the fp32 output side by side: y_f32 is [M, F32_REPLICAS * N_F32]
 STAGE_X = True  # the prologue forms xin once per CTA into shared memory (M x K bf16), the main loop reads it there
 PREFETCH = 0  # bytes of each weight row the warp owning it bulk-prefetches into L2 before the PDL wait (0: each warp the first vectors of its first task's rows)
+HOLD = False  # one task per warp: its weight rows are loaded into registers before the PDL wait (whole rows in flight)
 # <<< constants
 
 VEC = 8  # bf16 per 128-bit load
 THREADS = 32 * WARPS
 KSTEPS = K // (32 * VEC)  # whole K steps of one warp (each covers 256 elements)
 KTAIL = (K % (32 * VEC)) // VEC  # lanes with work in a last, partial K step (0: none)
+NSTEPS = KSTEPS + (1 if KTAIL else 0)  # K steps of a task, the partial one included (HOLD: vectors a lane holds per row)
 NV = K // VEC  # 8-element vectors of one activation row
 VPT = (NV + THREADS - 1) // THREADS  # of them per thread when the CTA sums a row's squares
 MCHUNKS = M // MB
@@ -224,6 +233,11 @@ class Kernel:
         into rAcc."""
         for r in cutlass.range_constexpr(ROWS):
             cute.copy(wLoad, cute.local_tile(mW[n0 + r, None], (VEC,), (kv,)), rW[r])
+        self.k_math(kv, m0, mX, mAux, sRstd, sXin, rW, rWf, rX, rAux, rNw, rXin, rAcc)
+
+    @cute.jit
+    def k_math(self, kv, m0, mX, mAux, sRstd, sXin, rW, rWf, rX, rAux, rNw, rXin, rAcc):
+        """The math of a K step whose weight vectors (one per row of the task) are in ``rW``."""
         for r in cutlass.range_constexpr(ROWS):
             rWf[r].store(rW[r].load().to(Float32))
         if cutlass.const_expr(PRO == "rms_norm" and not STAGE_X):
@@ -269,11 +283,24 @@ class Kernel:
         sPart = smem.allocate_tensor(Float32, cute.make_layout((M, WARPS), stride=(WARPS, 1)), 16)
         sXin = smem.allocate_tensor(BFloat16, cute.make_layout((M, K) if STAGE_X else (1, VEC), stride=(K, 1)), 16)
 
-        # Before waiting on the previous kernel: start pulling this warp's weight rows into L2.
+        # HOLD: the vectors of the warp's task, NSTEPS per weight row
+        rHold = [[cute.make_rmem_tensor((VEC,), BFloat16) for _ in range(NSTEPS)] for _ in range(ROWS if HOLD else 0)]
+        # Before waiting on the previous kernel: start pulling this warp's weight rows into L2 (HOLD: load them).
         if cutlass.const_expr(PREFETCH > 0):  # every task's rows: lane r the first PREFETCH bytes of row r
             for task in cutlass.range(cta * WARPS + warp, TASKS, GRID * WARPS, unroll=1):
                 if lane < ROWS:
                     prefetch_l2(mW[(task // MCHUNKS) * ROWS + lane, None].iterator.toint(), Int32(PREFETCH))
+        elif cutlass.const_expr(HOLD):  # the warp's one task: every vector of its rows, into registers
+            first = cta * WARPS + warp
+            if first < TASKS:
+                for r in cutlass.range_constexpr(ROWS):
+                    for s in cutlass.range_constexpr(KSTEPS):
+                        cute.copy(wLoad, cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,),
+                                                         (s * 32 + lane,)), rHold[r][s])
+                    if cutlass.const_expr(KTAIL > 0):
+                        if lane < KTAIL:
+                            cute.copy(wLoad, cute.local_tile(mW[(first // MCHUNKS) * ROWS + r, None], (VEC,),
+                                                             (KSTEPS * 32 + lane,)), rHold[r][KSTEPS])
         else:  # the first task's: each lane its first UNROLL vectors of each row
             first = cta * WARPS + warp
             if first < TASKS:
@@ -333,24 +360,43 @@ class Kernel:
                         cute.autovec_copy(rX, cute.local_tile(sXin[m, None], (VEC,), (tid + THREADS * i,)))
             cute.arch.sync_threads()
 
-        for task in cutlass.range(cta * WARPS + warp, TASKS, GRID * WARPS):
-            n0 = (task // MCHUNKS) * ROWS  # first weight row of the task
-            m0 = (task % MCHUNKS) * MB  # first batch row of the task
-            rAcc.fill(0.0)
-            for s in cutlass.range(KSTEPS, unroll=UNROLL):
-                self.k_step(s * 32 + lane, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux, rNw, rXin,
-                            rAcc)
-            if cutlass.const_expr(KTAIL > 0):  # K is not a multiple of 256: lanes past its end sit this one out
-                if lane < KTAIL:
-                    self.k_step(KSTEPS * 32 + lane, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux,
-                                rNw, rXin, rAcc)
+        if cutlass.const_expr(HOLD):  # the one task, from the vectors loaded before the wait
+            task = cta * WARPS + warp
+            if task < TASKS:
+                m0 = (task % MCHUNKS) * MB
+                rAcc.fill(0.0)
+                for s in cutlass.range_constexpr(KSTEPS):
+                    self.k_math(s * 32 + lane, m0, mX, mAux, sRstd, sXin, [rHold[r][s] for r in range(ROWS)], rWf,
+                                rX, rAux, rNw, rXin, rAcc)
+                if cutlass.const_expr(KTAIL > 0):
+                    if lane < KTAIL:
+                        self.k_math(KSTEPS * 32 + lane, m0, mX, mAux, sRstd, sXin,
+                                    [rHold[r][KSTEPS] for r in range(ROWS)], rWf, rX, rAux, rNw, rXin, rAcc)
+                self.finish(task, rAcc, lane, mYf, mYb)
+        else:
+            for task in cutlass.range(cta * WARPS + warp, TASKS, GRID * WARPS):
+                n0 = (task // MCHUNKS) * ROWS  # first weight row of the task
+                m0 = (task % MCHUNKS) * MB  # first batch row of the task
+                rAcc.fill(0.0)
+                for s in cutlass.range(KSTEPS, unroll=UNROLL):
+                    self.k_step(s * 32 + lane, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux, rNw,
+                                rXin, rAcc)
+                if cutlass.const_expr(KTAIL > 0):  # K is not a multiple of 256: lanes past its end sit this one out
+                    if lane < KTAIL:
+                        self.k_step(KSTEPS * 32 + lane, n0, m0, mW, mX, mAux, sRstd, sXin, wLoad, rW, rWf, rX, rAux,
+                                    rNw, rXin, rAcc)
+                self.finish(task, rAcc, lane, mYf, mYb)
 
-            for r in cutlass.range_constexpr(ROWS):
-                n = n0 + r
-                for b in cutlass.range_constexpr(MB):
-                    total = cute.arch.warp_reduction(rAcc[r * MB + b], operator.add)
-                    if lane == 0:
-                        self.store_out(mYf, mYb, m0 + b, n, total)
+    @cute.jit
+    def finish(self, task, rAcc, lane, mYf, mYb):
+        """A task's outputs: each accumulator summed over the warp, written by lane 0."""
+        n0 = (task // MCHUNKS) * ROWS
+        m0 = (task % MCHUNKS) * MB
+        for r in cutlass.range_constexpr(ROWS):
+            for b in cutlass.range_constexpr(MB):
+                total = cute.arch.warp_reduction(rAcc[r * MB + b], operator.add)
+                if lane == 0:
+                    self.store_out(mYf, mYb, m0 + b, n0 + r, total)
 
     @cute.jit
     def issue_stage(self, mWq: cute.Tensor, mXq: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, slot, kst, row0,

@@ -14,8 +14,8 @@ from k3compile import build
 from k3compile.audit import audit_point
 from template_checks import module_constants
 from templates import TemplateError, get
-from templates.gemv import (MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, kernel_layout, max_row_tiles,
-                            mma_split)
+from templates.gemv import (HOLD_VECS, MAX_STAGES, SMEM_BUDGET, SMEM_PER_SM, SMS, STAGE_X_BYTES, kernel_layout,
+                            max_row_tiles, mma_split)
 
 T = get("gemv")
 EXAMPLES = T.examples()
@@ -115,6 +115,26 @@ def test_prologue_input_is_staged_in_shared_memory_when_it_fits():
     assert forms == {("rms_norm", True), ("rms_norm", False), ("situ", True), ("situ", False)}, forms
 
 
+def test_hold_loads_whole_rows_where_a_small_grid_gives_every_warp_one_task():
+    """HOLD (the warp's weight rows into registers before the PDL wait) only on the FMA path without prefetch,
+    where a grid of at most one CTA per SM gives every warp one task of at most HOLD_VECS vectors a lane; at
+    batch 4 the FFN tail's up-projection takes one row per task for it (twice the CTAs of two rows)."""
+    for label in EXAMPLES:
+        c = _point(label).c
+        tasks = (c["N"] // c["ROWS"]) * (c["M"] // c["MB"])
+        if c["HOLD"]:
+            assert not c["MMA"] and not c["PREFETCH"] and c["GRID"] <= SMS, label
+            assert tasks <= c["GRID"] * c["WARPS"] and c["ROWS"] * -(-c["K"] // 256) <= HOLD_VECS, label
+    on, off = _point("k3tp8_ffnup_shard_b4").c, _point("k3tp8_ffnup_shard_nohold_b4").c
+    assert (on["HOLD"], on["ROWS"], on["GRID"]) == (True, 1, 112) and (off["HOLD"], off["ROWS"], off["GRID"]) == (
+        False, 2, 56)
+    assert not _point("k3tp8_b1").c["HOLD"]  # 12288 rows: more than one CTA per SM
+    with pytest.raises(TemplateError, match="hold=True needs"):
+        T.point(**{**EXAMPLES["k3tp8_b1"], "hold": True})
+    with pytest.raises(TemplateError, match="hold='yes' must be"):
+        T.point(**{**EXAMPLES["k3tp8_b1"], "hold": "yes"})
+
+
 def test_examples_cover_the_required_labels():
     for cfg in ("mini", "k3tp8"):
         for b in (1, 8, 64):
@@ -137,14 +157,16 @@ def test_examples_compile_for_sm90a_without_spills(tmp_path):
         wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         assert 0 <= wait < launch, f"{label}: griddepcontrol.wait must come before launch_dependents"
         # no activation is read before the wait: the only global loads before it are the staged RMSNorm
-        # prologue's norm-weight vectors (VPT 128-bit loads per thread), and the audit traces every access
-        # before the wait back to a weight argument
+        # prologue's norm-weight vectors (VPT 128-bit loads per thread) and, with HOLD, the warp's weight
+        # vectors (NSTEPS per row of its task), and the audit traces every access before the wait back to a
+        # weight argument
         before = ptx[:wait].count("ld.global")
+        held = p.c["ROWS"] * -(-p.c["K"] // 256) if p.c["HOLD"] else 0
+        assert before == sum(".v4." in ln for ln in ptx[:wait].splitlines() if "ld.global" in ln), label
         if p.c["STAGE_X"] and p.c["PRO"] == "rms_norm":
-            assert 0 < before == ptx[:wait].count("ld.global.v4") <= -(-p.c["K"] // (8 * 32 * p.c["WARPS"])), (
-                label, before)
+            assert 0 < before - held <= -(-p.c["K"] // (8 * 32 * p.c["WARPS"])), (label, before)
         else:
-            assert before == 0, f"{label}: a global load precedes griddepcontrol.wait"
+            assert before == held, f"{label}: {before} global loads precede griddepcontrol.wait, {held} held"
         assert audit_point(p, ptx).ok, (label, audit_point(p, ptx).problems())
         # with PREFETCH the weight rows go to L2 in bulk before the wait (FMA path: one per task of a warp, in
         # a loop; tensor cores: a CTA's rows, in one or two pieces around its share of K), else never in bulk
