@@ -264,17 +264,18 @@ class Gemv(Template):
         if not use_mma and not prefetch and want is not False:
             # HOLD: where a grid of at most one CTA per SM gives every warp one task whose rows fit HOLD_VECS
             # vectors a lane (fewer rows per task if that is what it takes), the warp loads them all before the
-            # PDL wait: whole rows in flight, overlapping the prologue and the previous kernel's end
+            # PDL wait: whole rows in flight, overlapping the prologue and the previous kernel's end. hold=True
+            # also takes larger grids (every warp still one task).
             nsteps = -(-k // 256)
             for r in sorted({rows, 1}, reverse=True):
                 t = (n // r) * (m // mb)
                 g = max(1, min(math.ceil(t / warps), cap))
-                if n % r == 0 and g <= SMS and t <= g * warps and r * nsteps <= HOLD_VECS:
+                if n % r == 0 and (g <= SMS or want) and t <= g * warps and r * nsteps <= HOLD_VECS:
                     rows, tasks, grid, hold = r, t, g, True
                     break
         need(want is not True or hold,
-             f"gemv: hold=True needs the FMA path without prefetch, a grid of at most {SMS} CTAs giving every warp one "
-             f"task, and at most {HOLD_VECS} 128-bit weight vectors a lane (bucket {m}, n={n}, k={k}); leave it unset")
+             f"gemv: hold=True needs the FMA path without prefetch, a grid giving every warp one task, and at most "
+             f"{HOLD_VECS} 128-bit weight vectors a lane (bucket {m}, n={n}, k={k}); leave it unset")
         need(isinstance(prefetch, int) and prefetch >= 0 and prefetch % 16 == 0,
              f"gemv: prefetch={prefetch!r} (bytes of each weight row pulled into L2 before the PDL wait) must be a "
              f"non-negative multiple of 16 (cp.async.bulk.prefetch sizes); pass 0 for the default")
@@ -407,6 +408,9 @@ class Gemv(Template):
                                        "segments": (k3.hidden_size // 16,), "replicas": (16,), "pro": "rms_norm",
                                        "eps": k3.rms_norm_eps}
         ex["k3tp16_qup_norm_b4"] = {"bucket": 4, "n": 1152, "k": k3.q_lora_rank, "pro": "rms_norm", "eps": 1e-6}
+        # the MLA's q up-projection with the q_a RMSNorm at batch 1 (288 CTAs: not HOLD by default), and forced
+        ex["k3tp8_qup_norm_b1"] = {"bucket": 1, "n": 2304, "k": k3.q_lora_rank, "pro": "rms_norm", "eps": 1e-6}
+        ex["k3tp8_qup_norm_hold_b1"] = {**ex["k3tp8_qup_norm_b1"], "hold": True}
         ex["k3tp8_ffnup_shard_b8"] = {"bucket": 8, **up}
         ex["k3tp8_ffnup_shard_b64"] = {"bucket": 64, **up}  # 56 row tiles: K split over CTA pairs (mma_split)
         ex["mini_lmhead_b16"] = {"bucket": 16, "n": mini.vocab_size, "k": mini.hidden_size, "n_f32": mini.vocab_size,

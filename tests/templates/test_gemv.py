@@ -123,12 +123,13 @@ def test_hold_loads_whole_rows_where_a_small_grid_gives_every_warp_one_task():
         c = _point(label).c
         tasks = (c["N"] // c["ROWS"]) * (c["M"] // c["MB"])
         if c["HOLD"]:
-            assert not c["MMA"] and not c["PREFETCH"] and c["GRID"] <= SMS, label
+            assert not c["MMA"] and not c["PREFETCH"] and (c["GRID"] <= SMS or EXAMPLES[label].get("hold")), label
             assert tasks <= c["GRID"] * c["WARPS"] and c["ROWS"] * -(-c["K"] // 256) <= HOLD_VECS, label
     on, off = _point("k3tp8_ffnup_shard_b4").c, _point("k3tp8_ffnup_shard_nohold_b4").c
     assert (on["HOLD"], on["ROWS"], on["GRID"]) == (True, 1, 112) and (off["HOLD"], off["ROWS"], off["GRID"]) == (
         False, 2, 56)
     assert not _point("k3tp8_b1").c["HOLD"]  # 12288 rows: more than one CTA per SM
+    assert not _point("k3tp8_qup_norm_b1").c["HOLD"] and _point("k3tp8_qup_norm_hold_b1").c["HOLD"]  # 288 CTAs
     with pytest.raises(TemplateError, match="hold=True needs"):
         T.point(**{**EXAMPLES["k3tp8_b1"], "hold": True})
     with pytest.raises(TemplateError, match="hold='yes' must be"):
