@@ -3,8 +3,9 @@
 A kernel's name is the hash of its template source (kernel file and libraries), constants and arch, so any edit
 of a kernel file renames every kernel of the template, a pure refactor too, and a GPU check passed under the old
 names no longer counts by name (``--skip-passed``). This pairs the kernels of two codegen outputs (not pruned:
-each kernel's ``kernel.ptx`` is there) by template, constants and arch, and compares each pair's PTX with the
-old name written as the new one. Same PTX is the same program for ptxas: a check the old kernel passed holds
+each kernel's ``kernel.ptx`` is there) by template, constants and arch (a constant only one output has, a knob a
+template gained, is left out of the pairing), and compares each pair's PTX with the old name written as the new
+one. Same PTX is the same program for ptxas: a check the old kernel passed holds
 for the new one. Given the GPU checks' JSONs (``--passed``), it lists the NEW kernels that neither passed by
 name nor have the PTX of one that passed: the ones a GPU check still has to run.
 
@@ -40,8 +41,21 @@ def _kernels(out: str) -> dict:
         raise ValueError(f"{path}: not a codegen output ({e}). Fix: give the -o directory of `k3compile codegen`")
 
 
-def _key(entry: dict) -> str:
-    return json.dumps([entry["template"], entry["constants"], entry["arch"]], sort_keys=True)
+def _key(entry: dict, names: dict) -> str:
+    """(template, constants, arch), the constants limited to the names both outputs give the template."""
+    c = {k: v for k, v in entry["constants"].items() if k in names[entry["template"]]}
+    return json.dumps([entry["template"], c, entry["arch"]], sort_keys=True)
+
+
+def _common_names(*outputs: dict) -> dict:
+    """Per template, the constant names every kernel of every output has: a constant a template gained (a new
+    knob) is left out of the pairing, and the PTX comparison decides whether its kernels changed."""
+    names: dict = {}
+    for kernels in outputs:
+        for e in kernels.values():
+            have = set(e["constants"])
+            names[e["template"]] = names.get(e["template"], have) & have
+    return names
 
 
 def _ptx(out: str, name: str) -> str:
@@ -56,13 +70,14 @@ def _ptx(out: str, name: str) -> str:
 def ptx_diff(old: str, new: str, passed: set[str] | None = None) -> PtxDiff:
     """Pair OLD's and NEW's kernels by (template, constants, arch) and compare their PTX (old name as new)."""
     ko, kn = _kernels(old), _kernels(new)
+    names = _common_names(ko, kn)
     by_key = {}
     for name, e in kn.items():
-        by_key.setdefault(_key(e), []).append(name)
+        by_key.setdefault(_key(e, names), []).append(name)
     d = PtxDiff()
     paired = set()
     for name, e in sorted(ko.items()):
-        match = by_key.get(_key(e), [])
+        match = by_key.get(_key(e, names), [])
         if len(match) != 1:  # none, or (not in a real codegen: names are unique per key) several
             d.only_old.append(name)
             continue

@@ -221,11 +221,10 @@ class Gemv(Template):
             rows //= 2
         mb = min(m, 8)  # batch chunk: ROWS x MB accumulators per lane (<= 32 registers)
         ksteps = k // 256
-        # Weight loads in flight per lane: ROWS x UNROLL vectors. Two rows per task halve the warps of a grid, so
-        # at batch 3-4 UNROLL 4 keeps as many bytes in flight per SM as batch 1-2 (one row, UNROLL 4): with 2, the
-        # batch-4 front GEMV streamed at 81 % of the copy bandwidth against 100 % at batch 1 (BENCHMARKS.md,
-        # thirty-sixth entry).
-        unroll = min(ksteps, 4 if m <= 4 else 2 if m <= 8 else 1)
+        # Weight loads in flight per lane (ROWS x UNROLL vectors). UNROLL 4 at batch 3-4 was tried and not kept
+        # (BENCHMARKS.md, thirty-seventh entry): the batch-4 front GEMVs gained 1 us each in the layer, the SiTU
+        # GEMV (3 K steps) unrolled whole at 168 registers against 68 and lost 8.5.
+        unroll = min(ksteps, 4 if m <= 2 else 2 if m <= 8 else 1)
         warps = 8
         tasks = (n // rows) * (m // mb)
         # A prologue's xin formed once per CTA in shared memory (stage_x) when it fits STAGE_X_BYTES; the grid
@@ -265,7 +264,11 @@ class Gemv(Template):
             # HOLD: where a grid of at most one CTA per SM gives every warp one task whose rows fit HOLD_VECS
             # vectors a lane (fewer rows per task if that is what it takes), the warp loads them all before the
             # PDL wait: whole rows in flight, overlapping the prologue and the previous kernel's end. hold=True
-            # also takes larger grids (every warp still one task).
+            # also takes larger grids (every warp still one task). On the H100 (BENCHMARKS.md, thirty-seventh
+            # entry), the FFN tail's up-projection (896 x 3584, TP 8) alone: 4.3 -> 3.3 us at batch 1, 9.0 -> 6.5
+            # at batch 4; in the KDA + MoE layer at batch 4 11.0 -> 8.0 us exposed, at batch 1-2 unchanged. Forced
+            # on the MLA's q up-projection (2304 x 1536, 288 CTAs) at batch 1: 4.1 -> 3.5 us alone (not the
+            # default: not measured in the layer).
             nsteps = -(-k // 256)
             for r in sorted({rows, 1}, reverse=True):
                 t = (n // r) * (m // mb)

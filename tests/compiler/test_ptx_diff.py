@@ -63,3 +63,17 @@ def test_a_pruned_or_missing_output_is_named_with_the_fix(tmp_path, capsys):
     assert "gemv_bbbbbbbbbb/kernel.ptx: no PTX" in err and "not pruned" in err
     assert main(["ptx-diff", old, str(tmp_path / "nowhere")]) == 2
     assert "not a codegen output" in capsys.readouterr().err
+
+
+def test_a_knob_a_template_gained_is_left_out_of_the_pairing(tmp_path):
+    """NEW's gemv kernels carry a constant OLD's have not (HOLD): kernels equal in the other constants pair, and
+    the PTX decides (the knob off: same program; on: changed)."""
+    old = _out(tmp_path / "old", {
+        "gemv_aaaaaaaaaa": ("gemv", {"M": 1, "N": 64}, _entry("gemv_aaaaaaaaaa", "ret;")),
+        "gemv_bbbbbbbbbb": ("gemv", {"M": 4, "N": 64}, _entry("gemv_bbbbbbbbbb", "ret;"))})
+    new = _out(tmp_path / "new", {
+        "gemv_cccccccccc": ("gemv", {"M": 1, "N": 64, "HOLD": False}, _entry("gemv_cccccccccc", "ret;")),
+        "gemv_dddddddddd": ("gemv", {"M": 4, "N": 64, "HOLD": True}, _entry("gemv_dddddddddd", "ld; ret;"))})
+    d = ptx_diff(old, new)
+    assert d.same == [("gemv_aaaaaaaaaa", "gemv_cccccccccc")]
+    assert d.changed == [("gemv_bbbbbbbbbb", "gemv_dddddddddd")] and not d.only_old and not d.only_new
