@@ -407,9 +407,11 @@ class Gemv(Template):
         ex["k3tp8_ffnup_shard_nohold_b4"] = {**ex["k3tp8_ffnup_shard_b4"], "hold": False}
         # at TP 16: 448 rows (56 CTAs); and the MLA's q up-projection with the q_a RMSNorm at batch 4 (1152 rows
         # of K 1536: two rows per task, 6 vectors each)
-        ex["k3tp16_ffnup_shard_b2"] = {"bucket": 2, "n": k3.hidden_size // 16, "k": k3.routed_expert_hidden_size,
-                                       "segments": (k3.hidden_size // 16,), "replicas": (16,), "pro": "rms_norm",
-                                       "eps": k3.rms_norm_eps}
+        up16 = {"n": k3.hidden_size // 16, "k": k3.routed_expert_hidden_size, "segments": (k3.hidden_size // 16,),
+                "replicas": (16,), "pro": "rms_norm", "eps": k3.rms_norm_eps}
+        for b in (1, 2, 4):
+            ex[f"k3tp16_ffnup_shard_b{b}"] = {"bucket": b, **up16}
+        ex["k3tp8_ffnup_shard_b2"] = {**ex["k3tp8_ffnup_shard_b4"], "bucket": 2}
         ex["k3tp16_qup_norm_b4"] = {"bucket": 4, "n": 1152, "k": k3.q_lora_rank, "pro": "rms_norm", "eps": 1e-6}
         # the MLA's q up-projection with the q_a RMSNorm at batch 1 (288 CTAs: not HOLD by default), and forced
         ex["k3tp8_qup_norm_b1"] = {"bucket": 1, "n": 2304, "k": k3.q_lora_rank, "pro": "rms_norm", "eps": 1e-6}
