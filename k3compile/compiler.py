@@ -228,8 +228,7 @@ def _check_static_geometry(gm: torch.fx.GraphModule, inputs, batch_symbol) -> No
             raise BucketError(
                 f"{info.kind} input {info.label} has a symbolic size ({', '.join(loose)}): Dynamo's automatic "
                 f"dynamic shapes made it so when a state of another capacity or max_context came; the kernels take "
-                f"every size but the "
-                f"batch as a constant. Fix: step = k3compile.compile(model, ...): one graph for every batch, and "
+                f"every size but the batch as a constant. Fix: step = k3compile.compile(model, ...): one graph for every batch, and "
                 f"each state geometry one more compile")
 
 

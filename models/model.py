@@ -135,7 +135,6 @@ class K3Model(nn.Module):
     def new_state(self, batch_size: int, max_context: int) -> DecodeState:
         return DecodeState(self, batch_size, max_context)
 
-
     # ------------------------------------------------------------------ one decode step
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
