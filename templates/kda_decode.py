@@ -10,7 +10,16 @@ import torch
 
 from .base import Arg, Template, const, need
 
-HEAD_DIM = 128  # the kernel's thread layout (2*D threads, 16 rows x 4 columns per thread) is written for this
+HEAD_DIM = 128  # the kernel's thread layout (2*D threads, two per prologue channel) is written for this
+SMS = 132  # H100 / H200 SMs: the default cluster keeps heads x tokens x CTAs per head within one wave
+CLUSTERS = (1, 2, 4, 8)  # CTAs per (head, token): a portable thread-block cluster, D / CL value columns each
+
+
+def default_cluster(bucket: int, heads: int) -> int:
+    """CTAs per (head, token): the most (up to 8) that keep the grid within one wave of SMs. At K3 TP8 (12
+    heads) batch 1 runs 8 CTAs of 8 KB of state per head instead of one of 64 KB, batch 4 two, batch 8 and
+    up one; 256 threads at most 128 registers fit two CTAs per SM, so a one-wave grid starts at once."""
+    return max(cl for cl in CLUSTERS if cl == 1 or bucket * heads * cl <= SMS)
 MAX_RANK = 256  # f_b slices live in registers (R/2 bf16 per thread)
 L2_EPS = 1e-6  # inside the rsqrt of the q/k L2 norms (FLA use_qk_l2norm_in_kernel)
 
@@ -18,10 +27,12 @@ L2_EPS = 1e-6  # inside the rsqrt of the q/k L2 norms (FLA use_qk_l2norm_in_kern
 class KdaDecode(Template):
     name = "kda_decode"
     kernel_file = "kda_decode.py"
-    doc = "KDA decode step: one CTA per (head, token), the 64 KB fp32 state read and written once from registers"
+    doc = ("KDA decode step: a cluster of CTAs per (head, token) splitting the value columns, the 64 KB fp32 state "
+           "read and written once from registers")
 
     def constants(self, *, bucket: int, heads: int, head_dim: int, rank: int, conv_width: int, lower_bound: float,
-                  eps: float) -> list:
+                  eps: float, cluster: int | None = None) -> list:
+        # cluster: None (default_cluster) unless an experiment or a baseline fixes it
         need(isinstance(bucket, int) and 1 <= bucket <= 65535,
              f"kda_decode: bucket {bucket!r} must be an int in 1..65535 (grid.y is the token); use a smaller bucket")
         need(isinstance(heads, int) and 1 <= heads <= 65535,
@@ -38,16 +49,27 @@ class KdaDecode(Template):
         need(math.isfinite(lower_bound) and lower_bound < 0,
              f"kda_decode: lower_bound {lower_bound!r} must be finite and negative (K3: -5.0)")
         need(math.isfinite(eps) and eps > 0, f"kda_decode: eps {eps!r} must be a positive finite float")
+        need(cluster is None or cluster in CLUSTERS,
+             f"kda_decode: cluster {cluster!r} must be one of {CLUSTERS} (CTAs per head, each D / cluster value "
+             f"columns) or None (chosen from the bucket and heads)")
+        cl = default_cluster(bucket, heads) if cluster is None else cluster
         return [const("M", bucket, "tokens (the batch bucket)"), const("H", heads, "local KDA heads"),
                 const("D", head_dim, "head dim (K = V = D)"), const("R", rank, "rank of the low-rank decay input f_a"),
                 const("W", conv_width, "short conv kernel size"),
                 const("LOWER_BOUND", float(lower_bound), "gate lower bound"),
-                const("EPS", float(eps), "RMSNorm epsilon of the output norm")]
+                const("EPS", float(eps), "RMSNorm epsilon of the output norm"),
+                const("CL", cl, "CTAs per (head, token): a thread-block cluster, each owning D / CL value columns of "
+                                "the state")]
 
     def examples(self):
-        return {f"{cfg}_b{b}": {"bucket": b, "heads": heads, "head_dim": 128, "rank": 128, "conv_width": 4,
-                                "lower_bound": -5.0, "eps": 1e-5}
-                for cfg, heads in (("mini", 8), ("k3tp8", 12)) for b in (1, 8, 64)}
+        ex = {f"{cfg}_b{b}": {"bucket": b, "heads": heads, "head_dim": 128, "rank": 128, "conv_width": 4,
+                              "lower_bound": -5.0, "eps": 1e-5}
+              for cfg, heads in (("mini", 8), ("k3tp8", 12)) for b in (1, 2, 4, 8, 64)}
+        # every cluster size at K3 TP8's batch 1 and 4 (the defaults are 8 and 2; 1 is the kernel before clusters)
+        for b, cls in ((1, (1, 2, 4)), (4, (1, 4))):
+            for cl in cls:
+                ex[f"k3tp8_b{b}_cl{cl}"] = {**ex[f"k3tp8_b{b}"], "cluster": cl}
+        return ex
 
     def args(self, c):
         M, H, D, R, W = c["M"], c["H"], c["D"], c["R"], c["W"]

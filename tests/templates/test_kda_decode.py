@@ -36,9 +36,25 @@ def _dialect(point, inputs):
 
 def test_examples_cover_both_configs():
     ex = T.examples()
-    assert set(ex) == {f"{cfg}_b{b}" for cfg in ("mini", "k3tp8") for b in (1, 8, 64)}
+    plain = {f"{cfg}_b{b}" for cfg in ("mini", "k3tp8") for b in (1, 2, 4, 8, 64)}
+    assert set(ex) == plain | {"k3tp8_b1_cl1", "k3tp8_b1_cl2", "k3tp8_b1_cl4", "k3tp8_b4_cl1", "k3tp8_b4_cl4"}
     assert ex["mini_b8"]["heads"] == 8 and ex["k3tp8_b8"]["heads"] == 12  # k3-mini TP1; kimi_k3 96 heads / TP8
     assert all(p["rank"] == 128 and p["head_dim"] == 128 and p["conv_width"] == 4 for p in ex.values())
+    # every cluster size is compiled (and checked on the GPU) at least once
+    assert {_point(label).c["CL"] for label in ex} == {1, 2, 4, 8}
+
+
+def test_default_cluster_keeps_one_wave():
+    """K3 TP8 (12 heads): 8 CTAs per head at batch 1 (96 CTAs), 4 at 2, 2 at 4, one from 8 (96 heads x tokens
+    already fill the SMs); never more CTAs than one wave unless a single CTA per head already exceeds it."""
+    got = {b: T.point(**{**GOOD, "bucket": b}).c["CL"] for b in (1, 2, 4, 8, 16, 64)}
+    assert got == {1: 8, 2: 4, 4: 2, 8: 1, 16: 1, 64: 1}
+    for b in (1, 2, 3, 4, 5, 8, 11, 64):
+        for heads in (1, 4, 6, 8, 12, 24, 48):
+            cl = T.point(**{**GOOD, "bucket": b, "heads": heads}).c["CL"]
+            assert cl == 1 or b * heads * cl <= 132, (b, heads, cl)
+            assert cl == 8 or b * heads * 2 * cl > 132, (b, heads, cl)  # the most that fit
+    assert T.point(**{**GOOD, "bucket": 1, "cluster": 2}).c["CL"] == 2
 
 
 def test_examples_compile_without_spills(tmp_path, monkeypatch):
@@ -56,7 +72,14 @@ def test_examples_compile_without_spills(tmp_path, monkeypatch):
         ptx = (tmp_path / "out" / p.name / "kernel.ptx").read_text()
         assert ".target sm_90a" in ptx
         assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
-        rows = p.c["D"] // 8  # state rows per warp: one 128-bit load and one 128-bit store each
+        # state rows per thread (8 warps, 32 / (D / CL / 4) rows per warp instruction): one 128-bit load and
+        # one 128-bit store each
+        rows = p.c["D"] // (8 * (32 // (p.c["D"] // p.c["CL"] // 4)))
+        assert rows == {1: 16, 2: 8, 4: 4, 8: 2}[p.c["CL"]], label
+        # a cluster exchanges the output norm's sum of squares: one DSMEM store per peer, one barrier after the
+        # relaxed arrive at the start; one CTA per head has neither
+        assert ptx.count("st.shared::cluster.f32") == (1 if p.c["CL"] > 1 else 0), label
+        assert ptx.count("barrier.cluster.arrive.relaxed") == (1 if p.c["CL"] > 1 else 0), label
         assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == rows, label
         assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) >= rows, label
         # the state loads follow the dependency wait (state may be written by the previous kernel)
@@ -88,6 +111,8 @@ GOOD = dict(bucket=8, heads=12, head_dim=128, rank=128, conv_width=4, lower_boun
     (dict(conv_width=1), "conv_width 1"),
     (dict(lower_bound=5.0), "lower_bound 5.0"),
     (dict(eps=0.0), "eps 0.0"),
+    (dict(cluster=3), "cluster 3"),
+    (dict(cluster=16), "cluster 16"),
 ])
 def test_bad_params_raise(bad, match):
     with pytest.raises(TemplateError, match=match):
