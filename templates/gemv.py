@@ -16,6 +16,7 @@ from .base import Arg, Template, const, need, need_bucket
 
 PROLOGUES = ("none", "rms_norm", "situ")
 SMS = 132  # H200
+LONG_K_STEPS = 16  # batch 4: UNROLL 4 from this many 256-element K steps (else 2)
 MMA_MIN_BUCKET = 8  # gemv uses tensor cores from this bucket (plain GEMVs only)
 PF_CTAS = 4  # FMA path with an L2 prefetch, batch 1-2: CTAs per SM that fit (<= 64 registers); 2 from batch 4
 STAGE_X_BYTES = 64 * 1024  # a prologue's xin (M x K bf16) at most this size is formed once per CTA in shared memory
@@ -221,10 +222,12 @@ class Gemv(Template):
             rows //= 2
         mb = min(m, 8)  # batch chunk: ROWS x MB accumulators per lane (<= 32 registers)
         ksteps = k // 256
-        # Weight loads in flight per lane (ROWS x UNROLL vectors). UNROLL 4 at batch 3-4 was tried and not kept
-        # (BENCHMARKS.md, thirty-seventh entry): the batch-4 front GEMVs gained 1 us each in the layer, the SiTU
-        # GEMV (3 K steps) unrolled whole at 168 registers against 68 and lost 8.5.
-        unroll = min(ksteps, 4 if m <= 2 else 2 if m <= 8 else 1)
+        # Weight loads in flight per lane (ROWS x UNROLL vectors). At batch 4 two rows per task halve the
+        # grid's warps, and UNROLL 4 restores the bytes in flight of batch 1 where K is long (16 steps or more:
+        # the front GEMVs, K 7168); BENCHMARKS.md, thirty-seventh entry: 1 us faster each in the batch-4 layer,
+        # while UNROLL 4 on every GEMV unrolled the SiTU GEMV (3 K steps) whole at 168 registers against 68 and
+        # lost 8.5 us (short K keeps 2).
+        unroll = min(ksteps, 4 if m <= 2 or (m <= 4 and ksteps >= LONG_K_STEPS) else 2 if m <= 8 else 1)
         warps = 8
         tasks = (n // rows) * (m // mb)
         # A prologue's xin formed once per CTA in shared memory (stage_x) when it fits STAGE_X_BYTES; the grid
@@ -373,6 +376,8 @@ class Gemv(Template):
                     "segments": segs, "replicas": (t, 1, 1), "f32_replicas": t}
         ex["k3tp8_front_gather_b1"] = {"bucket": 1, **moe_front(k3, tp)}
         ex["k3tp8_front_gather_b8"] = {"bucket": 8, **moe_front(k3, tp)}
+        # at batch 4 (two rows per task): UNROLL 4 (K of 28 steps), the kernel of the real plan
+        ex["k3tp8_front_gather_b4"] = {"bucket": 4, **moe_front(k3, tp)}
         ex["mini_front_gather_b2"] = {"bucket": 2, **moe_front(mini, 2)}
         # the router + latent front GEMV of the TP8 shard at batch 64: two CTAs of a cluster split K (SPLIT = 2)
         ex["k3tp8_front_split_b64"] = {"bucket": 64, "n": 2096, "k": k3.hidden_size, "n_f32": k3.num_experts // tp,

@@ -115,6 +115,20 @@ def test_prologue_input_is_staged_in_shared_memory_when_it_fits():
     assert forms == {("rms_norm", True), ("rms_norm", False), ("situ", True), ("situ", False)}, forms
 
 
+def test_unroll_keeps_batch_one_bytes_in_flight_on_long_k_at_batch_four():
+    """UNROLL (K steps in flight per lane): 4 at batch 1-2; at batch 4 (two rows per task) 4 only where K has
+    16 steps or more (the front GEMVs), 2 on short K (the SiTU GEMV's 3 steps unrolled whole spilled into 168
+    registers); 2 up to batch 8, then 1; never more than K's steps."""
+    def unroll(bucket, n, k, **kw):
+        return T.point(bucket=bucket, n=n, k=k, **kw).c["UNROLL"]
+
+    assert [unroll(b, 2096, 7168) for b in (1, 2, 4, 8, 16)] == [4, 4, 4, 2, 1]
+    assert unroll(4, 7168, 4096) == 4 and unroll(4, 7168, 3840) == 2  # 16 steps, 15 steps
+    assert unroll(4, 7168, 1536) == 2 and unroll(4, 7168, 768, pro="situ") == 2
+    assert unroll(1, 7168, 512) == 2  # two steps: both unrolled
+    assert _point("k3tp8_front_gather_b4").c["UNROLL"] == 4
+
+
 def test_hold_loads_whole_rows_where_a_small_grid_gives_every_warp_one_task():
     """HOLD (the warp's weight rows into registers before the PDL wait) only on the FMA path without prefetch,
     where a grid of at most one CTA per SM gives every warp one task of at most HOLD_VECS vectors a lane; at
