@@ -31,7 +31,6 @@ _ROUTING = {"renormalize": True, "scaling_factor": 2.5}
 _SITU = {"beta": 4.0, "linear_beta": 25.0}
 MAX_EXPERTS = 1024  # selection keeps E/32 logits per lane in registers
 SMEM_PER_SM = 228 * 1024  # H100/H200 shared memory per SM (each resident CTA also reserves 1 KB)
-DOWN_XSTAGE_MAX_BYTES = 64 * 1024  # moe_down_combine stages h in shared memory up to this size (XSTAGE)
 DOWN_WARPS = 8  # moe_down_combine warps per CTA (one CTA per 16 output rows; 4 or 2 where 8 leave too little smem)
 GATE_UP_WARPS = 4  # moe_gate_up warps per CTA (its persistent grid: OCC CTAs on each of the 132 SMs of an H200)
 WIDE_WARPS = 16  # moe_gate_up warps of its one CTA per SM when the activations are staged (batch 2 .. 8 at K3;
@@ -434,10 +433,8 @@ class MoeDownCombine(_RoutedExperts):
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool = True, scaling_factor: float = 1.0, beta: float = 1.0,
-                  linear_beta: float = 1.0, xstage: bool | None = None) -> list:
-        # xstage: None (where it fits) unless an experiment or a baseline fixes it
+                  linear_beta: float = 1.0) -> list:
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
-        need(xstage in (None, False, True), f"{self.name}: xstage={xstage!r} must be True, False or None")
         need(latent % 16 == 0, f"{self.name}: latent={latent} must be a multiple of 16 (MMA tiles of 16 output "
                                f"rows); pad the latent size")
         # the cp.async ring: up to 4 of a warp's experts in flight, as far as 2 CTAs per SM leave shared memory
@@ -448,48 +445,28 @@ class MoeDownCombine(_RoutedExperts):
         # room beside sPart at 2 CTAs per SM; 2 warps fit one stage each.
         nb = inter // 32
         steps, p, maxa = -(-nb // 4), bucket * top_k, min(n_experts, bucket * top_k)
-
-        def ring(fixed):  # (warps, stages) of the ring beside ``fixed`` bytes, or None
-            rooms = {}
-            for warps in (DOWN_WARPS, 4, 2):
-                per_stage = warps * 32 * steps * 2 * 16 + (warps * 8 * steps * 2 * 4 if nb % 4 == 0 else 0)  # + scales
-                rooms[warps] = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
-            # DOWN_WARPS or 4 with 2 stages each, else 4; 2 only where 4 leave no room for one stage
-            warps = next((w for w in (DOWN_WARPS, 4) if rooms[w] >= 2), 4)
-            warps = 2 if rooms[warps] < 1 else warps
-            return (warps, min(4, rooms[warps], -(-maxa // warps))) if rooms[warps] >= 1 else None
-
         fixed = 2 * p * 16 + 4 * (1 + 3 * maxa + p) + 1024  # sPart, the grouping, padding
-        plain = ring(fixed)
-        need(plain is not None, f"{self.name}: bucket {bucket} x top_k {top_k} leaves no shared memory for the "
-                                f"weight ring; use a smaller bucket")
-        # XSTAGE: h staged in shared memory, up to DOWN_XSTAGE_MAX_BYTES; by default only where the ring keeps its
-        # warps and stages beside it (xstage=True also takes a shallower ring)
-        h_bytes = p * (2 * inter + 16)
-        staged = ring(fixed + h_bytes) if h_bytes <= DOWN_XSTAGE_MAX_BYTES else None
-        need(xstage is not True or staged is not None,
-             f"{self.name}: xstage=True needs h ({h_bytes} bytes) within {DOWN_XSTAGE_MAX_BYTES} and a weight ring "
-             f"beside it; leave it unset")
-        xstage = staged == plain if xstage is None else xstage
-        warps, stages = staged if xstage else plain
+        rooms = {}
+        for warps in (DOWN_WARPS, 4, 2):
+            per_stage = warps * 32 * steps * 2 * 16 + (warps * 8 * steps * 2 * 4 if nb % 4 == 0 else 0)  # + scales
+            rooms[warps] = (SMEM_PER_SM // 2 - 1024 - fixed) // per_stage
+        # DOWN_WARPS or 4 with 2 stages each, else 4; 2 only where 4 leave no room for one stage
+        warps = next((w for w in (DOWN_WARPS, 4) if rooms[w] >= 2), 4)
+        warps = 2 if rooms[warps] < 1 else warps
+        room = rooms[warps]
+        need(room >= 1, f"{self.name}: bucket {bucket} x top_k {top_k} leaves no shared memory for the weight ring; "
+                        f"use a smaller bucket")
+        stages = min(4, room, -(-maxa // warps))
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"), const("L", latent, "latent size (rows of W2, outputs)"),
                 const("I", inter, "intermediate size (reduction length of down on this rank)"),
                 const("WARPS", warps, "warps per CTA (they take the active experts in turn)"),
-                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)"),
-                const("XSTAGE", bool(xstage), "every (token, slot) row of h staged in shared memory once per CTA "
-                                              "(else read per k-step from L2)")]
+                const("STAGES", stages, "experts' weights in flight per warp (cp.async ring in shared memory)")]
 
     def examples(self):
         ex = super().examples()
         # K3 at TP 1 (I = 3072) from batch 16: 2 warps per CTA, one expert tile in flight each (the smem limit)
         ex["k3tp1_b16"] = {"bucket": 16, **_K3TP8, "inter": 3072, **_ROUTING, **_SITU}
-        # h staged (XSTAGE) by default at batch 1 (k3tp8_b1_noxs: read per k-step from L2, the kernel before);
-        # at batch 2 and 4 only by choice, where it costs the ring a stage (4 -> 3, 2)
-        for b in (2, 4):
-            ex[f"k3tp8_b{b}"] = {"bucket": b, **_K3TP8, **_ROUTING, **_SITU}
-            ex[f"k3tp8_b{b}_xs"] = {**ex[f"k3tp8_b{b}"], "xstage": True}
-        ex["k3tp8_b1_noxs"] = {**ex["k3tp8_b1"], "xstage": False}
         return ex
 
     def args(self, c):

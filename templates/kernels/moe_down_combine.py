@@ -31,10 +31,6 @@ once and runs the expert with the factor on every block or on none (a warp-unifo
 lane, as without the ring, the factor's 96 multiplies issued on every expert: 14 % of the 680 instructions
 of batch 8's loop; moe_gate_up's form, no factor and a rerun where a byte exceeds 128, measured slower here,
 243 against 173 us at batch 64 inside the layer with no rerun taken, cause not established).
-XSTAGE (batch 1 to 4 at K3 shapes: up to 64 KB, where the ring keeps its warps and stages): every (token, slot)
-row of h is copied into shared memory once per CTA, by cp.async copies issued right after the PDL wait beside
-the grouping's, so the k-steps read their activations there; without it each k-step of each expert waits on an
-L2 round trip for its column's activations (at batch 1 a warp's two experts take six, one after another).
 Each (token, slot) result, rounded to bf16, is stored once in shared memory; after a barrier every
 (token, row) sums its TOPK slots in slot order with the routing weights: the combine happens in the CTA,
 deterministic, no atomics, no workspace. Each weight byte of an active expert is read by one CTA, once.
@@ -58,7 +54,6 @@ L = 128  # latent size (rows of W2, outputs)
 I = 256  # intermediate size (reduction length of down on this rank)
 WARPS = 8  # warps per CTA (they take the active experts in turn)
 STAGES = 2  # experts' weights in flight per warp (cp.async ring in shared memory)
-XSTAGE = True  # every (token, slot) row of h staged in shared memory once per CTA (else read per k-step from L2)
 # <<< constants
 
 NB = I // 32  # MX blocks per W2 row
@@ -73,7 +68,6 @@ G_START = 1 + MAXA  # their starts in the pairs,
 G_NUM = 1 + 2 * MAXA  # their pair counts,
 G_PAIRS = 1 + 3 * MAXA  # the pairs
 GLEN = G_PAIRS + P
-HROW = I // 2 + 4  # words per staged h row (XSTAGE; 16 bytes of padding: rows start 4 banks apart)
 
 
 class Kernel:
@@ -148,25 +142,11 @@ class Kernel:
         return (big & Uint32(0x80808080)) != Uint32(0)
 
     @cute.jit
-    def stage_h(self, mHf: cute.Tensor, sH: cute.Tensor, tid):
-        """XSTAGE: every (token, slot) row of h into sH by cp.async (16 bytes per copy), one commit group issued
-        beside the grouping's copies (load_groups waits for both, and the barrier after it makes them visible):
-        the k-steps then read their activations from shared memory instead of one L2 round trip each."""
-        big = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Uint32,
-                                  num_bits_per_copy=128)
-        for v in cutlass.range(tid, P * (I // 8), THREADS, unroll=1):
-            pr = v // (I // 8)
-            c = v % (I // 8)
-            cute.copy(big, cute.local_tile(mHf[pr, None], (4,), (c,)), cute.local_tile(sH[pr, None], (4,), (c,)))
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
     def expert(self, second: cutlass.Constexpr, mHf: cute.Tensor, mS2: cute.Tensor, sG: cute.Tensor, a, row0, g, t,
                sW: cute.Tensor, sS: cute.Tensor, sPart: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor,
                rX: cute.Tensor, acc: cute.Tensor):
         """Active expert a's 16 rows (landed in ring stage sW / sS) against its tokens' h rows, 8 columns at a
-        time, each (token, slot) result rounded to bf16 into sPart; block_mma's second factor as ``second``.
-        ``mHf`` is h by pair: in global memory, or its staged copy in shared memory (XSTAGE)."""
+        time, each (token, slot) result rounded to bf16 into sPart; block_mma's second factor as ``second``."""
         e = sG[G_ACT + a]
         start = G_PAIRS + sG[G_START + a]
         num = sG[G_NUM + a]
@@ -207,18 +187,14 @@ class Kernel:
         sS = smem.allocate_tensor(Uint32, cute.make_layout((WARPS, STAGES, 8, 2 * STEPS),
                                                            stride=(STAGES * STEPS * 16, STEPS * 16, 2 * STEPS, 1)),
                                   16)
-        sH = smem.allocate_tensor(Uint32, cute.make_layout((P, HROW), stride=(HROW, 1)), 16) if XSTAGE else None
 
-        mHf = cute.make_tensor(mHq.iterator, cute.make_layout((P, I // 2), stride=(I // 2, 1)))  # h by pair
         cute.arch.griddepcontrol_wait()  # h, groups and weights come from moe_gate_up (weights: moe_route)
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its prologue now
-        if cutlass.const_expr(XSTAGE):
-            self.stage_h(mHf, sH, tid)
-        hrows = sH if XSTAGE else mHf  # the activations the k-steps read
         load_groups(mGroups, sG, tid, THREADS)
         cute.arch.sync_threads()
         n_active = sG[0]
 
+        mHf = cute.make_tensor(mHq.iterator, cute.make_layout((P, I // 2), stride=(I // 2, 1)))  # h by pair
         g = lane // 4  # MMA rows g and g + 8, and the token column of this lane
         t = lane % 4  # which block of a k-step this lane loads
         rW = cute.make_rmem_tensor((8,), Uint32)  # one k-step: rows g, g + 8 (4 words each)
@@ -248,11 +224,11 @@ class Kernel:
             stage_s = sS[warp, k % STAGES, None, None]
             if cutlass.const_expr(SCALE_RING):  # the expert's scale bytes decide the decode's form, warp-wide
                 if cute.arch.vote_any_sync(self.scales_big(stage_s, g)):
-                    self.expert(True, hrows, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
+                    self.expert(True, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
                 else:
-                    self.expert(False, hrows, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
+                    self.expert(False, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
             else:  # scale bytes from global memory, per lane: the second factor predicated
-                self.expert(None, hrows, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
+                self.expert(None, mHf, mS2, sG, a, row0, g, t, stage_w, stage_s, sPart, lane, rW, rS, rX, acc)
         cute.arch.sync_threads()
         for idx in cutlass.range(tid, M * 16, THREADS, unroll=1):  # combine: slot order, fp32
             m = idx // 16

@@ -231,8 +231,7 @@ def _gate_up_smem(env):  # the kernel's allocations, in its order (moe_gate_up.k
 def _down_smem(env):  # moe_down_combine.kernel (the grouping comes from moe_gate_up)
     ring = 4 * env["WARPS"] * env["STAGES"] * 2 * env["STEPS"] * 32 * 4
     scales = 4 * env["WARPS"] * env["STAGES"] * 8 * 2 * env["STEPS"]  # a word per quad, k-step and row half
-    staged = 4 * env["P"] * env["HROW"] if env["XSTAGE"] else 0  # h's rows (XSTAGE)
-    return _allocated([2 * env["P"] * 16, 4 * env["GLEN"], ring, scales] + ([staged] if staged else []))
+    return _allocated([2 * env["P"] * 16, 4 * env["GLEN"], ring, scales])
 
 
 @pytest.mark.parametrize("shape", [_K3, _MINI], ids=["k3tp8", "mini"])
@@ -294,27 +293,6 @@ def test_down_takes_8_warps_where_two_stages_fit():
         c = DC.point(bucket=b, **_K3).c
         assert (c["WARPS"], c["STAGES"]) == (warps, stages), b
     assert DC.point(bucket=64, **{**_K3, "top_k": 32}).c["WARPS"] == 4  # 64 KB of sPart: 4 warps keep 2 stages
-
-
-def test_down_stages_h_where_the_ring_keeps_its_depth():
-    """XSTAGE (h in shared memory, read by the k-steps instead of one L2 round trip each): by default where it
-    fits DOWN_XSTAGE_MAX_BYTES and leaves the ring's warps and stages as they are (K3 TP 8 batch 1; TP 16 batch
-    1-4), forced with xstage=True where it costs the ring stages (TP 8 batch 2: 4 -> 3, batch 4: 4 -> 2), refused
-    where h does not fit; xstage=False keeps the kernel before it."""
-    from k3compile.templates.moe_experts import DOWN_XSTAGE_MAX_BYTES
-
-    got = {(tp, b): DC.point(bucket=b, **{**_k3(), "inter": 3072 // tp}).c["XSTAGE"]
-           for tp in (1, 2, 4, 8, 16) for b in (1, 2, 4, 8, 64)}
-    assert {k for k, v in got.items() if v} == {(8, 1), (16, 1), (16, 2), (16, 4)}
-    for b, stages in ((2, 3), (4, 2)):
-        plain, forced = DC.point(bucket=b, **_k3()).c, DC.point(bucket=b, **_k3(), xstage=True).c
-        assert (plain["XSTAGE"], plain["STAGES"], forced["XSTAGE"], forced["STAGES"]) == (False, 4, True, stages)
-    assert not DC.point(bucket=1, **_k3(), xstage=False).c["XSTAGE"]
-    assert 64 * (2 * 384 + 16) <= DOWN_XSTAGE_MAX_BYTES < 128 * (2 * 384 + 16)
-    with pytest.raises(TemplateError, match="xstage=True needs h"):
-        DC.point(bucket=8, **_k3(), xstage=True)
-    with pytest.raises(TemplateError, match="xstage"):
-        DC.point(bucket=1, **_k3(), xstage="yes")
 
 
 def test_groups_reference_is_the_kernels_deterministic_grouping():
@@ -494,6 +472,6 @@ def reports(tmp_path_factory):
 
 @pytest.mark.timeout(1800)
 def test_examples_compile_without_spills(reports):
-    assert len(reports) == 26
+    assert len(reports) == 21
     for key, rep in reports.items():
         assert rep["stack_bytes"] == 0, (key, rep)
