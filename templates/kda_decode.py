@@ -13,15 +13,20 @@ from .base import Arg, Template, const, need
 HEAD_DIM = 128  # the kernel's thread layout (2*D threads, two per prologue channel) is written for this
 SMS = 132  # H100 / H200 SMs: the default cluster keeps heads x tokens x CTAs per head within one wave
 CLUSTERS = (1, 2, 4, 8)  # CTAs per (head, token): a portable thread-block cluster, D / CL value columns each
+CLUSTER_MAX_HEADS = 32  # heads x tokens up to which the default splits a head over a cluster
+MAX_RANK = 256  # f_b slices live in registers (R/2 bf16 per thread)
+L2_EPS = 1e-6  # inside the rsqrt of the q/k L2 norms (FLA use_qk_l2norm_in_kernel)
 
 
 def default_cluster(bucket: int, heads: int) -> int:
-    """CTAs per (head, token): the most (up to 8) that keep the grid within one wave of SMs. At K3 TP8 (12
-    heads) batch 1 runs 8 CTAs of 8 KB of state per head instead of one of 64 KB, batch 4 two, batch 8 and
-    up one; 256 threads at most 128 registers fit two CTAs per SM, so a one-wave grid starts at once."""
+    """CTAs per (head, token). Up to CLUSTER_MAX_HEADS heads x tokens, the most (up to 8) that keep the grid
+    within one wave of SMs: at K3 TP8 (12 heads) batch 1 8 CTAs of 8 KB of state per head instead of one of
+    64 KB, batch 2 four; from 48 heads x tokens (batch 4) one. On the H100 (BENCHMARKS.md, thirty-eighth
+    entry) the KDA + MoE layer's kda_decode went 4.5 -> 1.8 us exposed at batch 1 and 8.0 -> 4.1 at batch 2;
+    at batch 4 two CTAs per head measured no faster (7.0 -> 6.8 in the layer, 6.7 -> 7.3 alone)."""
+    if bucket * heads > CLUSTER_MAX_HEADS:
+        return 1
     return max(cl for cl in CLUSTERS if cl == 1 or bucket * heads * cl <= SMS)
-MAX_RANK = 256  # f_b slices live in registers (R/2 bf16 per thread)
-L2_EPS = 1e-6  # inside the rsqrt of the q/k L2 norms (FLA use_qk_l2norm_in_kernel)
 
 
 class KdaDecode(Template):
@@ -65,8 +70,8 @@ class KdaDecode(Template):
         ex = {f"{cfg}_b{b}": {"bucket": b, "heads": heads, "head_dim": 128, "rank": 128, "conv_width": 4,
                               "lower_bound": -5.0, "eps": 1e-5}
               for cfg, heads in (("mini", 8), ("k3tp8", 12)) for b in (1, 2, 4, 8, 64)}
-        # every cluster size at K3 TP8's batch 1 and 4 (the defaults are 8 and 2; 1 is the kernel before clusters)
-        for b, cls in ((1, (1, 2, 4)), (4, (1, 4))):
+        # every cluster size at K3 TP8's batch 1 and 4 (the defaults are 8 and 1; 1 is the kernel before clusters)
+        for b, cls in ((1, (1, 2, 4)), (4, (2, 4))):
             for cl in cls:
                 ex[f"k3tp8_b{b}_cl{cl}"] = {**ex[f"k3tp8_b{b}"], "cluster": cl}
         return ex
