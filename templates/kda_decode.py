@@ -32,6 +32,7 @@ def default_cluster(bucket: int, heads: int) -> int:
 class KdaDecode(Template):
     name = "kda_decode"
     kernel_file = "kda_decode.py"
+    libs = ("dsmem_lib.py",)  # st_dsmem_f32
     doc = ("KDA decode step: a cluster of CTAs per (head, token) splitting the value columns, the 64 KB fp32 state "
            "read and written once from registers")
 

@@ -75,6 +75,7 @@ def default_threads(ds: int, nb: int, out_norm: bool) -> int:
 class ResidualAttnRes(Template):
     name = "residual_attn_res"
     kernel_file = "residual_attn_res.py"
+    libs = ("dsmem_lib.py",)  # st_dsmem_f32
     doc = ("[residual add +] AttnRes read over sealed blocks [+ RMSNorm], a cluster of CTAs per row (row "
            "statistics exchanged through DSMEM), 128-bit loads")
 

@@ -12,7 +12,7 @@ latency bound); the cluster spreads a head's state over CL SMs. THREADS = 2*D = 
 
 State tile per thread: LPR = DV / VEC lanes cover one DV-column slice of a row (VEC = 4 fp32: one 128-bit
 access), so a warp instruction moves RPI = 32 / LPR whole row slices (rows (warp ROWS + r) RPI + lane / LPR),
-and each thread keeps ROWS x VEC state values in registers between the read and the write (64 at CL = 1: 123
+and each thread keeps ROWS x VEC state values in registers between the read and the write (64 at CL = 1: 126
 registers, two CTAs per SM, no spills). Memory round trips on the critical path: f_a (256 B, just written by
 the previous kernel, so usually an L2 hit; the f_b slice was loaded before the dependency wait), then the
 state, the conv windows, beta and g together.
@@ -46,9 +46,9 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import BFloat16, Float32
+
+from k3compile.templates.kernels.dsmem_lib import st_dsmem_f32
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -73,17 +73,6 @@ ROWS = D // (WARPS * RPI)  # state rows per thread
 HALF_R = R // 2  # f_a elements per thread in the f dot product
 HALF_WARPS = WARPS // 2  # warps of half 0 (the q/k conv half)
 Q_SCALE = float(D) ** -0.5
-
-
-@dsl_user_op
-def st_dsmem_f32(addr, rank, value, *, loc=None, ip=None):
-    """``st.shared::cluster.f32``: ``value`` to the shared address ``addr`` (this CTA's layout) of CTA ``rank`` of
-    the cluster (``mapa`` maps the address)."""
-    llvm.inline_asm(res=None, operands_=[Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-                                         Float32(value).ir_value(loc=loc, ip=ip)],
-                    asm_string=("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
-                                "st.shared::cluster.f32 [ra], $2; }"),
-                    constraints="r,r,f", has_side_effects=True, loc=loc, ip=ip)
 
 
 class Kernel:

@@ -70,8 +70,8 @@ import operator
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+
+from k3compile.templates.kernels.dsmem_lib import st_dsmem_f32
 
 # >>> constants
 # (example values: rendering replaces this block)
@@ -133,17 +133,6 @@ def block_sum(rVals: cute.Tensor, sRed: cute.Tensor, n: cutlass.Constexpr[int]):
                 rVals[j] = sRed[lane, j]
         for j in cutlass.range_constexpr(n):
             rVals[j] = cute.arch.warp_reduction(rVals[j], operator.add)
-
-
-@dsl_user_op
-def st_dsmem_f32(addr, rank, value, *, loc=None, ip=None):
-    """``st.shared::cluster.f32``: ``value`` to the shared address ``addr`` (this CTA's layout) of CTA ``rank`` of
-    the cluster (``mapa`` maps the address)."""
-    llvm.inline_asm(res=None, operands_=[Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-                                         Float32(value).ir_value(loc=loc, ip=ip)],
-                    asm_string=("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
-                                "st.shared::cluster.f32 [ra], $2; }"),
-                    constraints="r,r,f", has_side_effects=True, loc=loc, ip=ip)
 
 
 @cute.jit
