@@ -204,7 +204,7 @@ class MoeGateUp(_RoutedExperts):
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
         need(occ in (None, 1, 2, 3), f"{self.name}: occ={occ!r} must be 1, 2, 3 or None (chosen by the bucket)")
-        need(spread is None or isinstance(spread, bool), f"{self.name}: spread={spread!r} must be True, False or None (chosen by "
+        need(spread in (None, True, False), f"{self.name}: spread={spread!r} must be True, False or None (chosen by "
                                             f"the bucket)")
         need(stages is None or (isinstance(stages, int) and stages >= 1),
              f"{self.name}: stages={stages!r} must be a positive int or None (chosen from shared memory)")
