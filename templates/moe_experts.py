@@ -189,23 +189,18 @@ class MoeGateUp(_RoutedExperts):
         ex = super().examples()
         # batch 2: 16 warps at 128 registers a thread, WIDE_MAX_STAGES k-steps in flight (a fourth spilled)
         ex["k3tp8_b2"] = {"bucket": 2, **_K3TP8, **_ROUTING, **_SITU}
-        # the same with the tasks packed onto the fewest CTAs (96 of the 132 SMs): the rule before 2026-12-07
-        ex["k3tp8_b2_packed"] = {**ex["k3tp8_b2"], "spread": False}
         return ex
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
                   ksplit: int | None = None, occ: int | None = None, stages: int | None = None,
-                  diag: bool | None = None, spread: bool | None = None) -> list:
+                  diag: bool | None = None) -> list:
         # ksplit, occ, stages: None (chosen from the bucket and shared memory) unless an experiment fixes them;
-        # spread: None is True with 16-warp CTAs (see CTAS below), False packs the tasks onto the fewest CTAs;
         # diag: None is batch 1 (False: codegen --batch-invariant, every bucket sums a row in one order)
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
         need(occ in (None, 1, 2, 3), f"{self.name}: occ={occ!r} must be 1, 2, 3 or None (chosen by the bucket)")
-        need(spread in (None, True, False), f"{self.name}: spread={spread!r} must be True, False or None (chosen by "
-                                            f"the bucket)")
         need(stages is None or (isinstance(stages, int) and stages >= 1),
              f"{self.name}: stages={stages!r} must be a positive int or None (chosen from shared memory)")
         need(beta > 0 and linear_beta > 0, f"{self.name}: beta={beta} and linear_beta={linear_beta} must be > 0")
@@ -264,12 +259,7 @@ class MoeGateUp(_RoutedExperts):
         need(bool(options), f"{self.name}: bucket {bucket} x top_k {top_k} leaves shared memory for fewer than 2 "
                             f"k-steps in flight per warp; use a smaller bucket")
         _, occ, stages = max(options)
-        # CTAS: with 16-warp CTAs (one per SM) every SM gets one while there are tasks for it (spread): a round of
-        # fewer tasks than slots is spread over all CTAs, so more SMs share the decode's instructions (some 300-500
-        # a k-step of 2 KB of codes); packed, the fewest CTAs that hold every task (K3 TP8 batch 2: 96 of 132 SMs,
-        # each with 16 busy warps).
-        spread = wide if spread is None else spread
-        ctas = min(tasks if spread else -(-tasks // (wpc // ksplit)), occ * 132)
+        ctas = min(-(-tasks // (wpc // ksplit)), occ * 132)
         return [const("M", bucket, "tokens (the batch bucket)"), const("E", n_experts, "experts (n_experts)"),
                 const("TOPK", top_k, "experts per token"),
                 const("L", latent, "latent size (reduction length of gate/up)"),
