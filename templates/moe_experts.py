@@ -11,9 +11,10 @@ selects once (ids, weights) and ``moe_gate_up`` (ROUTED) reads the ids and retur
 ``y [M, L] = bf16(sum_j weights[m, j] * bf16(h[m, j] . deq(W2[ids[m, j]])^T))`` (ops.latent_moe_experts).
 Under TP the experts hold an intermediate-dim shard and y is a partial sum.
 
-At batch 1 ``moe_gate_up`` runs DIAG (kernels/moe_gate_up.py): the MMA's columns hold MX blocks, the codes go in
-unscaled and each block's scale multiplies its sums once. Its range: the activations are prescaled by 2**32 in
-bf16, so a latent activation of magnitude 2**96 or more overflows (inf, where the other buckets' path is finite),
+At batch 1, and where the expert groups are expected to be of one token (DIAG_MAX_SHARE: batches 2 and 4 at K3,
+896 experts taking 16 picks a token), ``moe_gate_up`` runs DIAG (kernels/moe_gate_up.py): one token at a time,
+the MMA's columns hold MX blocks, the codes go in unscaled and each block's scale multiplies its sums once. Its
+range: the activations are prescaled by 2**32 in bf16, so a latent activation of magnitude 2**96 or more overflows (inf, where the other buckets' path is finite),
 and a product of a code with an activation below 2**-32 in magnitude may fall below fp32's normal range in the
 tensor cores (bits of a term smaller than 2**-32 of the unit weight's; the float64 checks never met either).
 """
@@ -41,6 +42,10 @@ XSTAGE_MAX_BYTES = 64 * 1024  # moe_gate_up stages every token's activations in 
 RING_MAX_STAGES = 4  # moe_gate_up's ring when the activations travel in it (batch >= 16 at K3), at 2 CTAs per
 # SM: at K3 batch 64 a fifth stage measured slower (298 against 286 us alone, in a variant that read moe_route's
 # grouping), and so did 3 CTAs of 3 stages (305)
+DIAG_MAX_SHARE = 1.05  # moe_gate_up runs DIAG (one token per pass over a task's codes) where the expected (token,
+# slot) pairs per distinct expert are at most this: K3's 896 experts x 16 picks at batch 2 / 4 / 8: 1.01 / 1.03 /
+# 1.07 (each extra pass reads its codes again; at batch 8 the kernel measured 91.4 against 80.7 us in the KDA
+# layer, H100, BENCHMARKS fortieth entry); k3-mini's 16 x 4 from batch 2: 1.23 and more
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
@@ -189,6 +194,8 @@ class MoeGateUp(_RoutedExperts):
         ex = super().examples()
         # batch 2: 16 warps at 128 registers a thread, WIDE_MAX_STAGES k-steps in flight (a fourth spilled)
         ex["k3tp8_b2"] = {"bucket": 2, **_K3TP8, **_ROUTING, **_SITU}
+        # DIAG forced where most groups hold several tokens (16 experts, 32 picks): each token its own pass
+        ex["mini_b8_diag"] = {"bucket": 8, **_MINI, **_ROUTING, **_SITU, "diag": True}
         return ex
 
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
@@ -196,7 +203,7 @@ class MoeGateUp(_RoutedExperts):
                   ksplit: int | None = None, occ: int | None = None, stages: int | None = None,
                   diag: bool | None = None) -> list:
         # ksplit, occ, stages: None (chosen from the bucket and shared memory) unless an experiment fixes them;
-        # diag: None is batch 1 (False: codegen --batch-invariant, every bucket sums a row in one order)
+        # diag: None is DIAG_MAX_SHARE's rule (False: codegen --batch-invariant, every bucket sums a row in one order)
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
@@ -216,10 +223,12 @@ class MoeGateUp(_RoutedExperts):
         # each lane's token block in the cp.async ring with the weights (4-warp CTAs, 2 or 3 per SM).
         xstage = bucket * latent * 2 <= XSTAGE_MAX_BYTES
         wide = xstage and bucket > 1
-        need(diag in (None, False) or (bucket == 1 and xstage),
-             f"{self.name}: diag=True needs batch 1 with the activations staged (latent <= {XSTAGE_MAX_BYTES // 2}); "
-             f"got bucket {bucket}, latent {latent}")
-        diag = bucket == 1 and xstage if diag is None else diag
+        need(diag in (None, False) or xstage,
+             f"{self.name}: diag=True needs the activations staged (bucket x latent <= {XSTAGE_MAX_BYTES // 2}); "
+             f"got bucket {bucket}, latent {latent}; use diag=None")
+        if diag is None:  # DIAG runs a group of several tokens once per token: where few groups are expected so
+            share = bucket * top_k / _expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket})
+            diag = xstage and share <= DIAG_MAX_SHARE
         wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2) if xstage else (2,))
         occs = occs if occ is None else (occ,)
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
@@ -282,8 +291,8 @@ class MoeGateUp(_RoutedExperts):
                                         "they travel in the ring)"),
                 const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
                                                             f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA"),
-                const("DIAG", bool(diag), "batch 1: the MMA's 8 columns hold 8 MX blocks, each scale applied once "
-                                          "to its column's sums")]
+                const("DIAG", bool(diag), "one token at a time: the MMA's 8 columns hold 8 MX blocks, each scale "
+                                          "applied once to its column's sums")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]

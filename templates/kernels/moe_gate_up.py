@@ -53,7 +53,9 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    536 instructions). So every E8M0 byte is exact. The epilogue rounds gate
    and up to bf16, applies SiTU-GLU and writes h for each (token, slot) column.
 
-   DIAG (batch 1, one token: 7 of the MMA's 8 columns would be zero): the columns hold MX blocks instead. The
+   DIAG (batch 1, one token: 7 of the MMA's 8 columns would be zero; from batch 2 where the groups are expected to
+   be of one token, as at K3 batches 2 and 4, 896 experts taking 16 picks a token): the columns hold MX blocks
+   instead, one token at a time. The
    codes go into the MMA unscaled (block_mma_raw: no packed multiply, 64 of a k-step's instructions),
    and lane (g, t) passes its block's activations as column g's only where g = t + 4 (i % 2) (i the warp's
    k-step), zeros (a 64-byte zero row in shared memory) elsewhere. So column c of the window of k-steps i, i + 1
@@ -63,7 +65,9 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    adds its 4 lanes' partials at the end. The staged activations are prescaled by 2**32 once per CTA (exact), which
    keeps every product of an unscaled code (as small as 2**-127) normal in fp32. A scale byte above 160 makes the
    task run again with each factor split in two (2**(min(s, 160) - 33) * 2**(max(s, 160) - 160)): exact for
-   every byte, as the other path.
+   every byte, as the other path. A group of several tokens runs the task once per token (its codes read again
+   and decoded again: expected for about 1 % of the tasks at K3 batch 2, 3 % at batch 4; at batch 8, 7 %, the
+   kernel measured 13 % slower than the other path, which DIAG_MAX_SHARE in the template then keeps there).
 """
 
 import cutlass
@@ -94,7 +98,7 @@ OCC = 2  # CTAs per SM (register budget: 65536 / (OCC * THREADS))
 STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared memory)
 XSTAGE = True  # every token's activations staged in shared memory once per CTA (else they travel in the ring)
 ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
-DIAG = False  # batch 1: the MMA's 8 columns hold 8 MX blocks, each scale applied once to its column's sums
+DIAG = False  # one token at a time: the MMA's 8 columns hold 8 MX blocks, each scale applied once to its sums
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -106,6 +110,7 @@ MAXA = min(E, P)  # distinct experts at most
 SOLO = M == 1 and not ROUTED  # one token: its experts in selection order, each CTA selects only what it needs
 WRITER = (TOPK * RT - 1) % CTAS if SOLO else 0  # the CTA that writes ids, weights and groups (it selects all)
 THREADS = 32 * WARPS
+NCOL = 1 if DIAG else 8  # (token, slot) columns of a group per pass over a task's weights
 EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
 XCH = 8 if X_RING else 4  # 16-byte chunks per lane in a ring stage
@@ -326,10 +331,10 @@ class Kernel:
 
     @cute.jit
     def stream_diag(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
-                    mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, ks, n_my, sW: cute.Tensor, sS: cute.Tensor,
-                    sX: cute.Tensor, sZ: cute.Tensor, lane, rW: cute.Tensor, rX: cute.Tensor, rSw: cute.Tensor,
-                    cw: cute.Tensor, rP: cute.Tensor) -> Uint32:
-        """DIAG: this warp's k-steps ks, ks + KSPLIT, ... of one task (batch 1), the ring as in ``stream``; k-step
+                    mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, tok, ks, n_my, sW: cute.Tensor,
+                    sS: cute.Tensor, sX: cute.Tensor, sZ: cute.Tensor, lane, rW: cute.Tensor, rX: cute.Tensor,
+                    rSw: cute.Tensor, cw: cute.Tensor, rP: cute.Tensor) -> Uint32:
+        """DIAG: this warp's k-steps ks, ks + KSPLIT, ... of one task for token tok, the ring as in ``stream``; k-step
         i fills MMA columns 4 (i % 2) .. 4 (i % 2) + 3 with its 4 blocks (lane (g, t) passes block t's activations
         as column g's where g = t + 4 (i % 2), sZ's zeros elsewhere), and after each window of two k-steps (or the
         last) ``drain`` scales the columns into rP. Returns drain's OR (bit 31: run again with ``second``)."""
@@ -349,16 +354,17 @@ class Kernel:
             odd = i % 2
             keep = (t < 2) == (odd == 0)  # this lane's columns 2t, 2t + 1 are this step's blocks
             for r in cutlass.range_constexpr(4):
-                cute.autovec_copy(sW[i % STAGES, r, lane, None], cute.local_tile(rW, (4,), (r,)))
                 rSw[r] = Uint32(cutlass.select_(keep, sS[i % STAGES, r, lane], rSw[r]))
-            mine = cute.local_tile(sX[0, None], (16,), (4 * (ks + i * KSPLIT) + t,)).iterator.toint()
+            mine = cute.local_tile(sX[tok, None], (16,), (4 * (ks + i * KSPLIT) + t,)).iterator.toint()
             src = cute.make_ptr(Uint32, cutlass.select_(g == t + 4 * odd, mine, zero), cute.AddressSpace.smem,
                                 assumed_align=16)
             cute.autovec_copy(cute.make_tensor(src, cute.make_layout((16,))), rX)
             if odd == 0:
                 cw.fill(0.0)
-            block_mma_raw(rW, 0, rX, cw, 0)  # gate: W1 rows g, g + 8
-            block_mma_raw(rW, 8, rX, cw, 4)  # up: W3 rows g, g + 8
+            for mat in cutlass.range_constexpr(2):  # gate (W1 rows g, g + 8), then up (W3): 8 words of codes live
+                for r in cutlass.range_constexpr(2):  # (the 16 at once spilled at 128 registers, 16-warp CTAs)
+                    cute.autovec_copy(sW[i % STAGES, 2 * mat + r, lane, None], cute.local_tile(rW, (4,), (r,)))
+                block_mma_raw(rW, 0, rX, cw, 4 * mat)
             if odd == 1 or i == n_my - 1:
                 big = big | self.drain(second, cw, rSw, rP, sel0, sel1)
         return big
@@ -454,16 +460,15 @@ class Kernel:
             e = sAct[a]
             start = sStart[a]
             num = sNum[a]
-            for nt in cutlass.range(0, num, 8, unroll=1):
+            for nt in cutlass.range(0, num, NCOL, unroll=1):  # NCOL (token, slot) columns of the group at a time
                 col = nt + g
-                tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
-                acc.fill(0.0)
-                if cutlass.const_expr(DIAG):  # batch 1: the row sums land in the token column's C entries
-                    big = self.stream_diag(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, ks, n_my,
+                if cutlass.const_expr(DIAG):  # one token: its row sums land in the C entries of column 0
+                    tok = 0 if M == 1 else sPairs[start + nt] // TOPK
+                    big = self.stream_diag(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, ks, n_my,
                                            sW[warp, None, None, None, None], sS[warp, None, None, None], sX, sZ, lane,
                                            rW, rX, rSw, cw, rP)
                     if cute.arch.vote_any_sync((big >> Uint32(31)) != Uint32(0)):  # a byte > DIAG_MAX_SCALE (rare)
-                        self.stream_diag(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, ks, n_my,
+                        self.stream_diag(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, ks, n_my,
                                          sW[warp, None, None, None, None], sS[warp, None, None, None], sX, sZ, lane,
                                          rW, rX, rSw, cw, rP)
                     for r in cutlass.range_constexpr(4):  # the quad's columns: whole row sums in every lane
@@ -471,6 +476,8 @@ class Kernel:
                         rP[r] = rP[r] + cute.arch.shuffle_sync_bfly(rP[r], offset=2)
                         acc[2 * r] = rP[r]  # C entry (row g + 8 (r % 2), column 0) of gate (r < 2) or up
                 else:
+                    tok = sPairs[start + cutlass.min(col, num - 1)] // TOPK
+                    acc.fill(0.0)
                     big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks,
                                       n_my, sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane,
                                       rW, rS, rX, acc)
@@ -479,10 +486,11 @@ class Kernel:
                         self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks, n_my,
                                     sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS,
                                     rX, acc)
+                end = nt + NCOL if DIAG else num  # the columns of this pass: DIAG's one, or the group's
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1
                         cc = nt + 2 * t + i % 2
-                        if cc < num:
+                        if cc < end:
                             pc = sPairs[start + cc]
                             mH[pc // TOPK, pc % TOPK, row0 + g + 8 * (i // 2)] = _situ(acc[i], acc[4 + i])
                 else:  # the slot's KSPLIT warps meet in shared memory (a named barrier per slot)
@@ -493,7 +501,7 @@ class Kernel:
                     for o in cutlass.range(ks * 32 + lane, 128, 32 * KSPLIT, unroll=1):
                         r = o // 8
                         cc = o % 8
-                        if nt + cc < num:
+                        if nt + cc < end:
                             gate = Float32(0.0)
                             up = Float32(0.0)
                             for w in cutlass.range_constexpr(KSPLIT):

@@ -57,16 +57,17 @@ def test_local_wiring_skips_the_exchange(kernel_package, name):
         assert res["ok"], f"{KERNELS[name]} seed {res['seed']}: {res['problems']}"
 
 
-# moe_gate_up at batch 1 (DIAG): a scale byte above DIAG_MAX_SCALE makes the task run again with two factors
+# moe_gate_up with DIAG (batch 1, and 2 / 4 at K3 shapes): a scale byte above DIAG_MAX_SCALE makes the task run
+# again with two factors
 NO_DIAG = "<no moe_gate_up kernel with DIAG in the package>"
 DIAG = sorted(n for n, k in MANIFEST.items()
               if k["template"] == "moe_gate_up" and k["constants"].get("DIAG")) or [NO_DIAG]
 
 
 @pytest.mark.parametrize("name", DIAG, ids=lambda n: KERNELS.get(n, n))
-def test_gate_up_batch_1_scale_bytes_past_one_factor(kernel_package, name):
+def test_gate_up_diag_scale_bytes_past_one_factor(kernel_package, name):
     """Every expert's first MX block of every row of W1 and W3 gets scale bytes 161-164 (weights of 2**34 to
-    2**37), every task runs moe_gate_up's second DIAG pass, and the token's first 32 activations are scaled by
+    2**37), every task runs moe_gate_up's second DIAG pass, and every token's first 32 activations are scaled by
     2**-36 (exact) so that the sums stay of the usual size: a saturated SiTU-GLU would hide an error."""
     if name == NO_DIAG:
         pytest.skip(f"{NO_DIAG}: build one with `k3compile codegen --examples mini_b1 --templates moe_gate_up`")
