@@ -108,6 +108,14 @@ def cmd_codegen(args) -> int:
         cg = plan_points(cfg, tps=args.tp, buckets=check_buckets(args.buckets), arch=args.arch,
                          max_context=args.max_context, batch_invariant=args.batch_invariant,
                          l2_prefetch=args.l2_prefetch << 20)
+    if args.templates and args.examples is None:
+        try:
+            gone = cg.keep_templates(args.templates.split(","))
+        except ValueError as e:
+            print(f"k3compile codegen: error: --templates: {e}", file=sys.stderr)
+            return 2
+        print(f"left out {gone} kernels of other templates: {len(cg.points)} kernels of {args.templates} (a package "
+              f"for a GPU check, not for serving)")
     if args.skip_passed:
         from .bench_kernels import passed_in
 
@@ -226,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--examples", nargs="?", const="", default=None, metavar="PREFIXES",
                     help="instead of a plan: every template's example points (k3-mini and real K3 TP8-shard "
                          "shapes), optionally only labels starting with PREFIXES (e.g. mini_,k3tp8_b1)")
-    cg.add_argument("--templates", help="with --examples: only these templates (comma-separated)")
+    cg.add_argument("--templates", help="only these templates (comma-separated): of the examples, or of the plan's "
+                                        "kernels (a package for a GPU check of a template's change)")
     cg.add_argument("--l2-prefetch", type=int, default=0, metavar="MIB",
                     help="weights a GEMV may pull into L2 while the kernel before it runs, at most (MiB; what fits "
                          "beside the previous kernel's bytes in 40 of the H200's 60 MB L2). Default 0: only its "

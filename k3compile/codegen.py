@@ -385,6 +385,7 @@ class Codegen:
     batch_invariant: bool = False  # every bucket reduces a row in bucket 1's order (lower_node)
     l2_prefetch: int = PREFETCH_MAX  # weights a GEMV may pull into L2 ahead of its wait, at most (lower_node)
     skipped_passed: int = 0  # kernels left out because an earlier GPU check passed them (skip_passed)
+    only_templates: tuple = ()  # the templates a plan's package was cut down to (keep_templates), if any
 
     def skip_passed(self, done: set[str]) -> int:
         """Leave out the kernels named in ``done`` (kernel names are source hashes: a name that passed a GPU check
@@ -395,6 +396,22 @@ class Codegen:
             del self.points[n]
             self.params.pop(n, None)
         self.skipped_passed += len(gone)
+        return len(gone)
+
+    def keep_templates(self, names) -> int:
+        """Keep only the kernels of these templates (a package for a GPU check of a template's change, not for
+        serving: the plan part of the manifest still names every kernel). Returns how many went."""
+        from .templates import TEMPLATES
+
+        unknown = sorted(set(names) - set(TEMPLATES))
+        if unknown:
+            raise ValueError(f"unknown template(s) {', '.join(unknown)}; the templates are "
+                             f"{', '.join(sorted(TEMPLATES))}")
+        gone = [n for n, p in self.points.items() if p.template.name not in names]
+        for n in gone:
+            del self.points[n]
+            self.params.pop(n, None)
+        self.only_templates = tuple(sorted(names))
         return len(gone)
 
     def uncovered(self) -> list[Entry]:
@@ -619,6 +636,7 @@ def _manifest(cg: Codegen, sources: dict, reports: dict, audits: dict, *, compil
     return {"manifest_version": MANIFEST_VERSION, "config": cg.config, "arch": cg.arch, "tp": list(cg.tps),
             "buckets": list(cg.buckets), "max_context": cg.max_context, "batch_invariant": cg.batch_invariant,
             "l2_prefetch": cg.l2_prefetch, **({"skipped_passed": cg.skipped_passed} if cg.skipped_passed else {}),
+            **({"only_templates": list(cg.only_templates)} if cg.only_templates else {}),
             "versions": versions() if compiled else {}, "compiled": compiled,
             "packaged": packaged, "kernels": kernels, "plan": plan,
             "coverage": {"plan_launches": len(cg.entries), "covered": len(cg.entries) - len(unc),

@@ -125,6 +125,27 @@ def test_codegen_skip_passed_leaves_out_the_kernels_a_gpu_check_passed(tmp_path,
     assert "skipped_passed" not in json.loads((full / "manifest.json").read_text())
 
 
+def test_codegen_templates_cuts_a_plan_to_one_template(tmp_path, capsys):
+    """--templates with a plan: only that template's kernels (every TP and bucket asked for), the package for a
+    GPU check of a template's change; the manifest says so and still maps every plan launch. A wrong name is
+    refused with the list of templates."""
+    import json
+
+    out = tmp_path / "gu"
+    assert main(["codegen", "--config", "k3_mini", "--tp", "1,2", "--buckets", "1,2", "--no-compile", "-o", str(out),
+                 "--templates", "moe_gate_up"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["kernels"] and {k["template"] for k in m["kernels"].values()} == {"moe_gate_up"}
+    assert {(e["tp"], e["bucket"]) for k in m["kernels"].values() for e in k["implements"]} == {
+        (1, 1), (1, 2), (2, 1), (2, 2)}
+    assert m["only_templates"] == ["moe_gate_up"]
+    assert "kernels of other templates" in capsys.readouterr().out
+    assert main(["codegen", "--config", "k3_mini", "--tp", "1", "--buckets", "1", "--no-compile", "-o",
+                 str(tmp_path / "bad"), "--templates", "moe_gate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown template(s) moe_gate" in err and "moe_gate_up" in err
+
+
 def test_codegen_bad_input_names_problem_and_fix(tmp_path, capsys):
     cases = [
         (["--tp", "3"], "3"),

@@ -8,6 +8,9 @@
 #           (prune runtime/ and *.ptx, *.cubin); tar cJf .gpu/k3tp8.txz -C /tmp/p k3tp8
 #   there:  bash tests/gpu/check_package.sh .gpu/k3tp8.txz
 #
+# A change to one template: `--templates NAME` keeps only its kernels (every TP and bucket given), `--skip-passed`
+# the ones an earlier check passed.
+#
 # xz over the whole tar compresses a package about 8 x better than gzip (kernels of one template share most of
 # their bytes: 306 kernels are 1.1 MB against 8.2), so the real config's 1,420 kernels fit one device call.
 #
