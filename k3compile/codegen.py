@@ -391,12 +391,9 @@ class Codegen:
         """Leave out the kernels named in ``done`` (kernel names are source hashes: a name that passed a GPU check
         is that very kernel); the package then holds only the rest, for a GPU check rather than for serving (the
         plan part of the manifest still names every kernel). Returns how many went."""
-        gone = [n for n in self.points if n in done]
-        for n in gone:
-            del self.points[n]
-            self.params.pop(n, None)
-        self.skipped_passed += len(gone)
-        return len(gone)
+        gone = self._drop(lambda n, p: n in done)
+        self.skipped_passed += gone
+        return gone
 
     def keep_templates(self, names) -> int:
         """Keep only the kernels of these templates (a package for a GPU check of a template's change, not for
@@ -407,11 +404,15 @@ class Codegen:
         if unknown:
             raise ValueError(f"unknown template(s) {', '.join(unknown)}; the templates are "
                              f"{', '.join(sorted(TEMPLATES))}")
-        gone = [n for n, p in self.points.items() if p.template.name not in names]
+        self.only_templates = tuple(sorted(names))
+        return self._drop(lambda n, p: p.template.name not in names)
+
+    def _drop(self, leave) -> int:
+        """Leave out the kernels for which ``leave(name, point)`` holds; returns how many."""
+        gone = [n for n, p in self.points.items() if leave(n, p)]
         for n in gone:
             del self.points[n]
             self.params.pop(n, None)
-        self.only_templates = tuple(sorted(names))
         return len(gone)
 
     def uncovered(self) -> list[Entry]:

@@ -14,9 +14,10 @@ Under TP the experts hold an intermediate-dim shard and y is a partial sum.
 At batch 1, and where the expert groups are expected to be of one token (DIAG_MAX_SHARE: batches 2 and 4 at K3,
 896 experts taking 16 picks a token), ``moe_gate_up`` runs DIAG (kernels/moe_gate_up.py): one token at a time,
 the MMA's columns hold MX blocks, the codes go in unscaled and each block's scale multiplies its sums once. Its
-range: the activations are prescaled by 2**32 in bf16, so a latent activation of magnitude 2**96 or more overflows (inf, where the other buckets' path is finite),
-and a product of a code with an activation below 2**-32 in magnitude may fall below fp32's normal range in the
-tensor cores (bits of a term smaller than 2**-32 of the unit weight's; the float64 checks never met either).
+range: the activations are prescaled by 2**32 in bf16, so a latent activation of magnitude 2**96 or more
+overflows (inf, where the other path is finite), and a product of a code with an activation below 2**-32 in
+magnitude may fall below fp32's normal range in the tensor cores (bits of a term smaller than 2**-32 of the unit
+weight's; the float64 checks never met either).
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ class MoeGateUp(_RoutedExperts):
         need(diag in (None, False) or xstage,
              f"{self.name}: diag=True needs the activations staged (bucket x latent <= {XSTAGE_MAX_BYTES // 2}); "
              f"got bucket {bucket}, latent {latent}; use diag=None")
-        if diag is None:  # DIAG runs a group of several tokens once per token: where few groups are expected so
+        if diag is None:  # DIAG runs a group of several tokens once per token: only where such groups are rare
             share = bucket * top_k / _expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket})
             diag = xstage and share <= DIAG_MAX_SHARE
         wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2) if xstage else (2,))
