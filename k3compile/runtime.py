@@ -477,11 +477,9 @@ class Binding:
     # -- experts and attention ---------------------------------------------------------------------
     def _routed_experts(self, a, *ks):
         """gate/up selects the experts itself (two kernels), or from ROUTE_MIN_BUCKET moe_route selects once and
-        gate/up reads its ids (three); down reads gate/up's grouping of the pairs by expert. Gate/up also takes
-        W2 where it pulls the down weights into L2 (PREFETCH_DOWN: the same relaid copy down reads; a Kernel binds
-        only its own arguments, so one without it leaves them unused)."""
+        gate/up reads its ids (three); down reads gate/up's grouping of the pairs by expert."""
         *route, gate_up, down = ks
-        w = {n: a[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")}
+        w = {n: a[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale")}
         if route:
             sel = route[0](logits=a["logits"], score_bias=a["score_bias"])
             gu = gate_up(z=a["z"], ids=sel["ids"], **w)

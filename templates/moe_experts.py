@@ -18,8 +18,6 @@ range: the activations are prescaled by 2**32 in bf16, so a latent activation of
 overflows (inf, where the other path is finite), and a product of a code with an activation below 2**-32 in
 magnitude may fall below fp32's normal range in the tensor cores (bits of a term smaller than 2**-32 of the unit
 weight's; the float64 checks never met either).
-Where the selected experts' W2 takes at most DOWN_PREFETCH_MAX_BYTES (K3 TP8 batches 1 and 2), ``moe_gate_up``
-also takes W2 (w2_packed, w2_scale: their addresses only) and pulls it into L2 for ``moe_down_combine``.
 """
 
 from __future__ import annotations
@@ -50,9 +48,6 @@ DIAG_MAX_SHARE = 1.05  # moe_gate_up runs DIAG (one token per pass over a task's
 # 1.07 (each extra pass reads its codes again; at batch 8 the kernel measured 91.4 against 80.7 us in the KDA
 # layer, H100, BENCHMARKS fortieth entry); k3-mini's 16 x 4 from batch 2: 1.23 and more
 ROUTE_MIN_BUCKET = 16  # from this batch moe_route selects once and moe_gate_up reads its ids
-DOWN_PREFETCH_MAX_BYTES = 24 << 20  # moe_gate_up pulls the down weights of its experts into L2 (for
-# moe_down_combine, which then loads them from L2) where the expected experts' W2 takes at most this (of the
-# H100's 50 MB L2, the H200's 60): K3 TP8 batches 1 and 2, TP16 1 to 4
 ROUTE_WARPS = 4  # moe_route warps per CTA (one token each)
 
 
@@ -207,10 +202,9 @@ class MoeGateUp(_RoutedExperts):
     def constants(self, *, bucket: int, n_experts: int, top_k: int, latent: int, inter: int,
                   renormalize: bool, scaling_factor: float, beta: float, linear_beta: float,
                   ksplit: int | None = None, occ: int | None = None, stages: int | None = None,
-                  diag: bool | None = None, prefetch_down: bool | None = None) -> list:
+                  diag: bool | None = None) -> list:
         # ksplit, occ, stages: None (chosen from the bucket and shared memory) unless an experiment fixes them;
-        # diag: None is DIAG_MAX_SHARE's rule (False: codegen --batch-invariant, every bucket sums a row in one order);
-        # prefetch_down: None is DOWN_PREFETCH_MAX_BYTES' rule (it changes no result, only where W2's bytes are)
+        # diag: None is DIAG_MAX_SHARE's rule (False: codegen --batch-invariant, every bucket sums a row in one order)
         _check_common(self.name, bucket, n_experts, top_k, latent, inter)
         need(ksplit in (None, 1, 2, 4), f"{self.name}: ksplit={ksplit!r} must be 1, 2, 4 or None (chosen by the "
                                                  f"bucket)")
@@ -236,12 +230,6 @@ class MoeGateUp(_RoutedExperts):
         if diag is None:  # DIAG runs a group of several tokens once per token: only where such groups are rare
             share = bucket * top_k / _expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket})
             diag = xstage and share <= DIAG_MAX_SHARE
-        routed = bucket >= ROUTE_MIN_BUCKET
-        need(not (prefetch_down and routed), f"{self.name}: prefetch_down=True needs the selection in the kernel "
-                                             f"(bucket < {ROUTE_MIN_BUCKET}); got bucket {bucket}; use None")
-        if prefetch_down is None:
-            w2 = _expected_experts({"E": n_experts, "TOPK": top_k, "M": bucket}) * latent * (inter // 2 + inter // 32)
-            prefetch_down = not routed and w2 <= DOWN_PREFETCH_MAX_BYTES
         wpc, occs = (WIDE_WARPS, (1,)) if wide else (GATE_UP_WARPS, (3, 2) if xstage else (2,))
         occs = occs if occ is None else (occ,)
         if ksplit is None:  # ksplit=1: codegen --batch-invariant (every bucket sums K in one warp's order)
@@ -302,12 +290,10 @@ class MoeGateUp(_RoutedExperts):
                 const("STAGES", stages, "k-steps of weights in flight per warp (cp.async ring in shared memory)"),
                 const("XSTAGE", xstage, "every token's activations staged in shared memory once per CTA (else "
                                         "they travel in the ring)"),
-                const("ROUTED", routed, f"ids come from moe_route (from batch {ROUTE_MIN_BUCKET}) instead of a "
-                                        f"selection in every CTA"),
+                const("ROUTED", bucket >= ROUTE_MIN_BUCKET, "ids come from moe_route (from batch "
+                                                            f"{ROUTE_MIN_BUCKET}) instead of a selection in every CTA"),
                 const("DIAG", bool(diag), "one token at a time: the MMA's 8 columns hold 8 MX blocks, each scale "
-                                          "applied once to its column's sums"),
-                const("PREFETCH_DOWN", bool(prefetch_down), "each task pulls its share of its expert's down weights "
-                                                            "(W2, for moe_down_combine) into L2")]
+                                          "applied once to its column's sums")]
 
     def args(self, c):
         m, e, k, l, i = c["M"], c["E"], c["TOPK"], c["L"], c["I"]
@@ -315,9 +301,6 @@ class MoeGateUp(_RoutedExperts):
                    Arg("w1_scale", "u8", (e, i, l // 32), "weight"),
                    Arg("w3_packed", "u8", (e, i, l // 2), "weight", layout="mxfp4_prepacked"),
                    Arg("w3_scale", "u8", (e, i, l // 32), "weight")]
-        if c["PREFETCH_DOWN"]:  # only their addresses: moe_down_combine's W2 (the same relaid copy), into L2
-            weights += [Arg("w2_packed", "u8", (e, l, i // 2), "weight", layout="mxfp4_prepacked"),
-                        Arg("w2_scale", "u8", (e, l, i // 32), "weight")]
         groups = Arg("groups", "i32", (group_len(c),), "out")
         if c["ROUTED"]:
             return [Arg("z", "bf16", (m, l), "act"), Arg("ids", "i32", (m, k), "act"), *weights,
@@ -344,9 +327,6 @@ class MoeGateUp(_RoutedExperts):
         logits, bias = torch.randn(m, e, generator=gen), 0.1 * torch.randn(e, generator=gen)
         out = {"z": torch.randn(m, l, generator=gen).to(torch.bfloat16),
                "w1_packed": w1, "w1_scale": s1, "w3_packed": w3, "w3_scale": s3}
-        if c["PREFETCH_DOWN"]:  # prefetched, never read: zeros (no random draw of the real config's 600 MB)
-            out.update(w2_packed=torch.zeros(e, l, i // 2, dtype=torch.uint8),
-                       w2_scale=torch.zeros(e, l, i // 32, dtype=torch.uint8))
         if c["ROUTED"]:  # ids as moe_route selects them
             out["ids"] = select_reference(logits, bias, c["TOPK"], c["RENORMALIZE"], c["SCALING"])[1].to(torch.int32)
         else:

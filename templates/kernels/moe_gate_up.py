@@ -68,20 +68,12 @@ Persistent grid of CTAS CTAs, WARPS warps each, in three phases:
    every byte, as the other path. A group of several tokens runs the task once per token (its codes read again
    and decoded again: expected for about 1 % of the tasks at K3 batch 2, 3 % at batch 4; at batch 8, 7 %, the
    kernel measured 13 % slower than the other path, which DIAG_MAX_SHARE in the template then keeps there).
-
-   PREFETCH_DOWN (where the selected experts' down weights fit well inside L2: K3 TP8 batches 1 and 2): each warp
-   of a task also pulls one of the NCHUNK pieces of its expert's W2 and scales (moe_down_combine's, the same
-   relaid copy) into L2 with two ``cp.async.bulk.prefetch``, issued once its own last k-step is in flight, so
-   its loads are queued first. The down kernel, which can only start loading once this one's grouping is
-   written, then reads its weights from L2: HBM streams them while this kernel's warps still decode (at batch 1
-   it averages about half of the copy bandwidth). A hint: no result depends on it.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync
-from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
 from k3compile.templates.kernels.moe_lib import (block_mma, clear_masks, group_buffers, group_pairs, routing_weight,
                                                  select_topk, sigmoid, store_groups)
@@ -107,7 +99,6 @@ STAGES = 4  # k-steps of weights in flight per warp (cp.async ring in shared mem
 XSTAGE = True  # every token's activations staged in shared memory once per CTA (else they travel in the ring)
 ROUTED = False  # ids come from moe_route (from batch 16) instead of a selection in every CTA
 DIAG = False  # one token at a time: the MMA's 8 columns hold 8 MX blocks, each scale applied once to its sums
-PREFETCH_DOWN = True  # each task pulls its share of its expert's down weights (W2, for moe_down_combine) into L2
 # <<< constants
 
 NB = L // 32  # MX blocks (16 bytes, 32 codes) per weight row
@@ -119,9 +110,6 @@ MAXA = min(E, P)  # distinct experts at most
 SOLO = M == 1 and not ROUTED  # one token: its experts in selection order, each CTA selects only what it needs
 WRITER = (TOPK * RT - 1) % CTAS if SOLO else 0  # the CTA that writes ids, weights and groups (it selects all)
 THREADS = 32 * WARPS
-NCHUNK = RT * KSPLIT  # PREFETCH_DOWN: an expert's W2 (and its scales) in this many pieces, one per warp of its tasks
-CHUNK_W = L * (I // 2) // NCHUNK  # bytes of codes per piece (8 L / KSPLIT: a multiple of 16, as L % 128 == 0)
-CHUNK_S = L * (I // 32) // NCHUNK  # bytes of scales per piece (L / (2 KSPLIT))
 NCOL = 1 if DIAG else 8  # (token, slot) columns of a group per pass over a task's weights
 EPL = (E + 31) // 32  # router keys per lane (selection)
 X_RING = not XSTAGE  # activations travel in the ring with the weights
@@ -169,14 +157,6 @@ class Kernel:
                      mW3: cute.Tensor, mS3: cute.Tensor, mH: cute.Tensor, mGroups: cute.Tensor, stream):
             self._launch(mZ, None, None, mW1, mS1, mW3, mS3, mH, mIds, None, mGroups, stream)
 
-    elif PREFETCH_DOWN:  # W2's addresses too: the down weights each task pulls into L2
-
-        @cute.jit
-        def __call__(self, mZ: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, mW1: cute.Tensor,
-                     mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
-                     mH: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mGroups: cute.Tensor, stream):
-            self._launch(mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, mGroups, stream, mW2, mS2)
-
     else:
 
         @cute.jit
@@ -186,19 +166,13 @@ class Kernel:
             self._launch(mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, mGroups, stream)
 
     @cute.jit
-    def _launch(self, mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, mGroups, stream, mW2=None, mS2=None):
+    def _launch(self, mZ, mLogits, mBias, mW1, mS1, mW3, mS3, mH, mIds, mWts, mGroups, stream):
         mZq = cute.recast_tensor(mZ, Uint32)  # [M, L/2] bf16 pairs
         mW1q = cute.recast_tensor(mW1, Uint32)  # [E, I, L/8] 8 codes per word
         mW3q = cute.recast_tensor(mW3, Uint32)
         mS1q = cute.recast_tensor(mS1, Uint32)  # [E, I, NB/4]: the scales of a k-step's 4 blocks in one word
         mS3q = cute.recast_tensor(mS3, Uint32)
-        mW2c, mS2c = None, None
-        if cutlass.const_expr(PREFETCH_DOWN):  # W2 [E, L, I/2] and its scales [E, L, I/32] as [E, NCHUNK, piece]
-            mW2c = cute.make_tensor(mW2.iterator, cute.make_layout((E, NCHUNK, CHUNK_W), stride=(NCHUNK * CHUNK_W,
-                                                                                               CHUNK_W, 1)))
-            mS2c = cute.make_tensor(mS2.iterator, cute.make_layout((E, NCHUNK, CHUNK_S), stride=(NCHUNK * CHUNK_S,
-                                                                                               CHUNK_S, 1)))
-        self.kernel(mZq, mLogits, mBias, mW1q, mS1q, mW3q, mS3q, mW2c, mS2c, mH, mIds, mWts, mGroups).launch(
+        self.kernel(mZq, mLogits, mBias, mW1q, mS1q, mW3q, mS3q, mH, mIds, mWts, mGroups).launch(
             grid=(CTAS, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True, min_blocks_per_mp=OCC,
             preferred_smem_carveout=100)
 
@@ -307,33 +281,20 @@ class Kernel:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def prefetch_down(self, pf, i, n_my, lane):
-        """PREFETCH_DOWN: lane 0 issues the task's piece of W2 and of its scales into L2 (pf = (mW2c, mS2c,
-        expert, piece, whether this is the task's first pass), or None: a rerun) at k-step i = max(n_my - STAGES,
-        0), the first after this warp's last ring issue, so the warp's own loads are queued first."""
-        if cutlass.const_expr(pf is not None):
-            if pf[4]:
-                if i == cutlass.max(n_my - STAGES, 0):
-                    if lane == 0:
-                        cp_async_bulk_prefetch(pf[0][pf[2], pf[3], None].iterator, CHUNK_W)
-                        cp_async_bulk_prefetch(pf[1][pf[2], pf[3], None].iterator, CHUNK_S)
-
-    @cute.jit
     def stream(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
                mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, sel, tok, valid, ks, n_my, sW: cute.Tensor,
                sS: cute.Tensor, sX: cute.Tensor, lane, rW: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
-               acc: cute.Tensor, pf) -> Uint32:
+               acc: cute.Tensor) -> Uint32:
         """This warp's k-steps ks, ks + KSPLIT, ... of one task through its ring of STAGES k-steps (one
         cp.async group per step, empty past the end), accumulated into acc; block_mma's second factor when
-        ``second``; ``pf`` as prefetch_down's. Returns the OR of the lane's scale_big_bits: bit 8 set when one of
-        its scale bytes exceeded 128 (the result then needs ``second``)."""
+        ``second``. Returns the OR of the lane's scale_big_bits: bit 8 set when one of its scale bytes exceeded
+        128 (the result then needs ``second``)."""
         for i in cutlass.range_constexpr(STAGES - 1):
             self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks, n_my, i, sW, sS, lane)
         big = Uint32(0)
         for i in cutlass.range(n_my, unroll=1):
             self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, valid, ks, n_my, i + STAGES - 1, sW,
                             sS, lane)
-            self.prefetch_down(pf, i, n_my, lane)
             cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
             self.read_step(sW[i % STAGES, None, None, None], sS[i % STAGES, None, None], sX, lane, sel, tok, valid,
                            4 * (ks + i * KSPLIT) + t, rW, rS, rX)
@@ -372,12 +333,11 @@ class Kernel:
     def stream_diag(self, second: cutlass.Constexpr, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
                     mS3q: cute.Tensor, mZq: cute.Tensor, e, row0, g, t, tok, ks, n_my, sW: cute.Tensor,
                     sS: cute.Tensor, sX: cute.Tensor, sZ: cute.Tensor, lane, rW: cute.Tensor, rX: cute.Tensor,
-                    rSw: cute.Tensor, cw: cute.Tensor, rP: cute.Tensor, pf) -> Uint32:
+                    rSw: cute.Tensor, cw: cute.Tensor, rP: cute.Tensor) -> Uint32:
         """DIAG: this warp's k-steps ks, ks + KSPLIT, ... of one task for token tok, the ring as in ``stream``; k-step
         i fills MMA columns 4 (i % 2) .. 4 (i % 2) + 3 with its 4 blocks (lane (g, t) passes block t's activations
         as column g's where g = t + 4 (i % 2), sZ's zeros elsewhere), and after each window of two k-steps (or the
-        last) ``drain`` scales the columns into rP; ``pf`` as prefetch_down's. Returns drain's OR (bit 31: run
-        again with ``second``)."""
+        last) ``drain`` scales the columns into rP. Returns drain's OR (bit 31: run again with ``second``)."""
         for i in cutlass.range_constexpr(STAGES - 1):
             self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks, n_my, i, sW, sS, lane)
         for r in cutlass.range_constexpr(4):
@@ -390,7 +350,6 @@ class Kernel:
         for i in cutlass.range(n_my, unroll=1):
             self.ring_issue(mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, 0, True, ks, n_my, i + STAGES - 1, sW, sS,
                             lane)
-            self.prefetch_down(pf, i, n_my, lane)
             cute.arch.cp_async_wait_group(STAGES - 1)  # step i has landed
             odd = i % 2
             keep = (t < 2) == (odd == 0)  # this lane's columns 2t, 2t + 1 are this step's blocks
@@ -412,7 +371,7 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, mZq: cute.Tensor, mLogits, mBias, mW1q: cute.Tensor, mS1q: cute.Tensor, mW3q: cute.Tensor,
-               mS3q: cute.Tensor, mW2c, mS2c, mH: cute.Tensor, mIds: cute.Tensor, mWts, mGroups: cute.Tensor):
+               mS3q: cute.Tensor, mH: cute.Tensor, mIds: cute.Tensor, mWts, mGroups: cute.Tensor):
         tid = cute.arch.thread_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -503,18 +462,15 @@ class Kernel:
             num = sNum[a]
             for nt in cutlass.range(0, num, NCOL, unroll=1):  # NCOL (token, slot) columns of the group at a time
                 col = nt + g
-                pf = None  # PREFETCH_DOWN: this warp's piece of expert e's W2, on the task's first pass
-                if cutlass.const_expr(PREFETCH_DOWN):
-                    pf = (mW2c, mS2c, e, (task % RT) * KSPLIT + ks, nt == 0)
                 if cutlass.const_expr(DIAG):  # one token: its row sums land in the C entries of column 0
                     tok = 0 if M == 1 else sPairs[start + nt] // TOPK
                     big = self.stream_diag(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, ks, n_my,
                                            sW[warp, None, None, None, None], sS[warp, None, None, None], sX, sZ, lane,
-                                           rW, rX, rSw, cw, rP, pf)
+                                           rW, rX, rSw, cw, rP)
                     if cute.arch.vote_any_sync((big >> Uint32(31)) != Uint32(0)):  # a byte > DIAG_MAX_SCALE (rare)
                         self.stream_diag(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, tok, ks, n_my,
                                          sW[warp, None, None, None, None], sS[warp, None, None, None], sX, sZ, lane,
-                                         rW, rX, rSw, cw, rP, None)
+                                         rW, rX, rSw, cw, rP)
                     for r in cutlass.range_constexpr(4):  # the quad's columns: whole row sums in every lane
                         rP[r] = rP[r] + cute.arch.shuffle_sync_bfly(rP[r], offset=1)
                         rP[r] = rP[r] + cute.arch.shuffle_sync_bfly(rP[r], offset=2)
@@ -524,12 +480,12 @@ class Kernel:
                     acc.fill(0.0)
                     big = self.stream(False, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks,
                                       n_my, sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane,
-                                      rW, rS, rX, acc, pf)
+                                      rW, rS, rX, acc)
                     if cute.arch.vote_any_sync((big & Uint32(0x100)) != Uint32(0)):  # a byte > 128: again, exactly
                         acc.fill(0.0)  # (rare)
                         self.stream(True, mW1q, mS1q, mW3q, mS3q, mZq, e, row0, g, t, sel, tok, col < num, ks, n_my,
                                     sW[warp, None, None, None, None], sS[warp, None, None, None], sX, lane, rW, rS,
-                                    rX, acc, None)
+                                    rX, acc)
                 end = nt + NCOL if DIAG else num  # the columns of this pass: DIAG's one, or the group's
                 if cutlass.const_expr(KSPLIT == 1):  # the lane holds whole sums: SiTU from registers
                     for i in cutlass.range_constexpr(4):  # C fragment: rows g, g + 8; columns 2t, 2t + 1

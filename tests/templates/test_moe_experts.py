@@ -180,28 +180,6 @@ def test_diag_where_groups_are_expected_to_be_one_token():
         diag(16, diag=True)
 
 
-def test_gate_up_prefetches_the_down_weights_where_they_fit_in_l2():
-    # each task pulls its piece of its expert's W2 into L2 for moe_down_combine where the expected experts' W2
-    # takes at most DOWN_PREFETCH_MAX_BYTES (a fraction of the 50 MB L2 that gate/up's own stream leaves): K3
-    # TP8 batches 1, 2; TP16 1 to 4; never where moe_route selects (the kernel then has no W2 argument)
-    def pf(b, shape=_K3, **kw):
-        p = GU.point(bucket=b, **shape, renormalize=True, scaling_factor=2.5, beta=4.0, linear_beta=25.0, **kw)
-        assert ("w2_packed" in [a.name for a in p.args()]) == p.c["PREFETCH_DOWN"]
-        return p.c["PREFETCH_DOWN"]
-
-    assert [pf(b) for b in (1, 2, 4, 8, 16, 64)] == [True, True, False, False, False, False]
-    assert [pf(b, {**_K3, "inter": 192}) for b in (1, 2, 4, 8)] == [True, True, True, False]  # TP 16
-    assert not pf(1, {**_K3, "inter": 1536})  # TP 2: 16 experts' W2 alone take 47 MB
-    assert [pf(b, _MINI) for b in (1, 8, 16)] == [True, True, False]
-    assert not pf(1, prefetch_down=False) and pf(8, prefetch_down=True)
-    with pytest.raises(TemplateError, match="prefetch_down=True needs the selection in the kernel"):
-        pf(16, prefetch_down=True)
-    c = GU.point(**GU.examples()["k3tp8_b1"]).c  # the pieces: one per warp of each task, 16-byte multiples
-    env = module_constants(GU.point(**GU.examples()["k3tp8_b1"]).render())
-    assert env["NCHUNK"] * env["CHUNK_W"] == c["L"] * c["I"] // 2 and env["CHUNK_W"] % 16 == 0
-    assert env["NCHUNK"] * env["CHUNK_S"] == c["L"] * c["I"] // 32 and env["CHUNK_S"] % 16 == 0
-
-
 @pytest.mark.parametrize("bad,msg", [({"latent": 160}, "multiple of 128"), ({"inter": 40}, "multiple of 32")])
 def test_gate_up_shape_limits(bad, msg):
     with pytest.raises(TemplateError, match=msg):
@@ -348,10 +326,8 @@ def test_groups_reference_is_the_kernels_deterministic_grouping():
 
 
 def test_kernel_signatures_follow_args():
-    # gate/up: the ROUTED signature comes first in the file (ids in, h out), then the selecting one with W2's
-    # addresses (PREFETCH_DOWN), then the selecting one without
-    for T, file, labels in ((GU, "moe_gate_up.py", ("mini_b64", "mini_b1", "k3tp8_b8")),
-                            (DC, "moe_down_combine.py", ("mini_b1",)),
+    # gate/up: the ROUTED signature comes first in the file (ids in, h out), then the selecting one
+    for T, file, labels in ((GU, "moe_gate_up.py", ("mini_b64", "mini_b1")), (DC, "moe_down_combine.py", ("mini_b1",)),
                             (RT, "moe_route.py", ("mini_b16",))):
         src = (KERNELS_DIR / file).read_text()
         sigs = re.findall(r"def __call__\(self, (.*?), stream\)", src, re.S)
@@ -365,18 +341,17 @@ def test_kernel_signatures_follow_args():
 def test_gate_up_kernel_params_follow_the_launch():
     """The audit's names for the gate/up kernel entry's parameters (Template.kernel_params) are the arguments
     ``_launch`` passes to ``kernel`` in that order, None ones left out: read off the kernel source, for the ROUTED
-    launch (ids after h), the selecting one with W2 (PREFETCH_DOWN; W2 after W3) and the one without."""
+    launch (ids after h) and the selecting one."""
     src = (KERNELS_DIR / "moe_gate_up.py").read_text()
-    formal = [p.split("=")[0].strip()
-              for p in re.search(r"def _launch\(self, (.*?)\):", src, re.S).group(1).split(",")]
+    formal = [p.strip() for p in re.search(r"def _launch\(self, (.*?)\):", src, re.S).group(1).split(",")]
     to_kernel = [p.strip() for p in re.search(r"self\.kernel\((.*?)\)\.launch", src, re.S).group(1).split(",")]
     calls = re.findall(r"self\._launch\((.*?)\)\n", src, re.S)
-    assert len(calls) == 3
-    for call, label in zip(calls, ("mini_b64", "mini_b8", "k3tp8_b8")):  # ROUTED first in the file
+    assert len(calls) == 2
+    for call, label in zip(calls, ("mini_b64", "mini_b8")):  # ROUTED first in the file
         given = dict(zip(formal, (a.strip() for a in call.split(","))))
-        entry = [given.get(k[:-1] if k[-1] in "qc" else k, "None") for k in to_kernel]  # mZq: mZ recast, mW2c
+        entry = [given[k[:-1] if k.endswith("q") else k] for k in to_kernel]  # mZq is mZ recast
         c = GU.point(**GU.examples()[label]).c
-        assert c["ROUTED"] == (label == "mini_b64") and c["PREFETCH_DOWN"] == (label == "mini_b8")
+        assert c["ROUTED"] == (label == "mini_b64")
         (names,) = GU.kernel_params(c)
         assert [v[1:].lower() for v in entry if v != "None"] == [_short(n) for n in names], label
 
@@ -470,7 +445,7 @@ def test_random_inputs_shapes_and_ranges():
                 if t.is_floating_point():
                     assert t.abs().max() > 0
             for k in ("w1_scale", "w3_scale", "w2_scale"):
-                if k in inp and not (T is GU and k == "w2_scale"):  # (gate/up only prefetches W2: zeros)  # real checkpoints' range, and bytes above 128 in the first expert(s) only
+                if k in inp:  # real checkpoints' range, and bytes above 128 in the first expert(s) only
                     n_big = max(1, c["E"] // BIG_SCALE_EXPERTS)
                     assert 116 <= int(inp[k].min()) and int(inp[k][n_big:].max()) <= 128, (label, k)
                     assert int(inp[k][:n_big].max()) > 128 and int(inp[k][:n_big].min()) >= 120, (label, k)
