@@ -224,6 +224,19 @@ class _Costs:
     def is_weight(self, n) -> bool:
         return n.op == "placeholder" and n.name in self.weights
 
+    def weight_shares(self, node, names) -> list:
+        """Each launch's share of a node's weight bytes and FLOPs: the routed experts' launches by the weights
+        they stream (``*_gate_up``: W1 and W3, ``*_down_combine``: W2, the selection ``*_route``: none), any
+        other node's launches evenly."""
+        op = dialect.op_name(node)
+        if op in ("routed_experts", "latent_moe_experts") and len(names) > 1:
+            wargs = node.args[6:12] if op == "routed_experts" else node.args[3:9]
+            w13 = sympy.Integer(sum(_nbytes_static(w) for w in wargs[:4]))
+            w2 = sympy.Integer(sum(_nbytes_static(w) for w in wargs[4:]))
+            part = {"gate_up": w13 / (w13 + w2), "down_combine": w2 / (w13 + w2)}
+            return [next((v for k, v in part.items() if n.endswith(k)), sympy.Integer(0)) for n in names]
+        return [sympy.Rational(1, len(names))] * len(names)
+
     def state_root(self, n):
         """The decode-state input a node is a view of (through slicing getitems), else None."""
         while n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
@@ -347,11 +360,13 @@ def build_plan(gm: torch.fx.GraphModule, *, config, tp: int, bucket: int, contex
             kernel = str(choice) if choice else "unselected"
             w, a, s, f = costs.launch_costs(node)
             inputs_desc = [labels.get(x.name, x.name) for x in _flat_nodes(node)]
+            shares = costs.weight_shares(node, names)
             for j, name in enumerate(names):
                 share = sympy.Rational(1, len(names))
                 la = Launch(name=name, op=dialect.op_name(node), node=node.name, kernel=kernel,
                             stream=node.meta.get("k3_stream", "main"), inputs=inputs_desc, fx=node,
-                            weight_bytes=w * share, act_bytes=a * share, state_bytes=s * share, flops=f * share)
+                            weight_bytes=w * shares[j], act_bytes=a * share, state_bytes=s * share,
+                            flops=f * shares[j])
                 if j == 0 and pending_prefetch:
                     la.prefetch_bytes, pending_prefetch = pending_prefetch, 0
                 launches.append((current, la, node))

@@ -69,6 +69,23 @@ def test_section_3_2_component_figures(plans):
     assert routed == pytest.approx(experts, rel=0.01)
 
 
+def test_routed_expert_launches_carry_the_weights_they_stream(plans):
+    # gate/up streams W1 and W3 (2/3 of an expert's bytes), down W2 (1/3), the selection (from ROUTE_MIN_BUCKET)
+    # none; the FLOPs follow the same split
+    tp, by_bucket = plans
+    for b in (1, ROUTE_MIN_BUCKET):
+        lp = by_bucket[b].by_kind()["kda+moe"]
+        parts = ("route", "gate_up", "down_combine")
+        ls = {next(p for p in parts if l.name.endswith(p)): l for l in lp.launches if l.op == "routed_experts"}
+        assert set(ls) == set(parts if b >= ROUTE_MIN_BUCKET else parts[1:]), (tp, b)
+        w = {k: float(l.weight_bytes.subs(B, b)) for k, l in ls.items()}
+        f = {k: float(l.flops.subs(B, b)) for k, l in ls.items()}
+        distinct = E * (1 - (1 - K / E) ** b)
+        assert w["gate_up"] == pytest.approx(2 * distinct * EXPERT_BYTES / 3 / tp, rel=1e-9), (tp, b)
+        assert w["down_combine"] == pytest.approx(w["gate_up"] / 2, rel=1e-9) and w.get("route", 0.0) == 0.0
+        assert f["down_combine"] == pytest.approx(f["gate_up"] / 2, rel=1e-9) and f.get("route", 0.0) == 0.0
+
+
 def test_mla_layer_bytes(plans):
     tp, by_bucket = plans
     lp = by_bucket[1].by_kind()["mla+moe"]
