@@ -22,10 +22,11 @@ from golden import check_golden
 
 GOLDEN = Path(__file__).parent / "golden" / "codegen_k3_mini.txt"
 TPS = background.TPS
-# the module fixture waits for the compile of all 762 distinct k3-mini kernels on a fresh cache (this file on its own:
-# about 4.5 minutes on 2 cores; in a full run the compile shares the cores with the other tests at low priority, so
-# the worker that runs these tests may wait for it, up to about 10 minutes)
-pytestmark = pytest.mark.timeout(1800)
+# the module fixture waits for the compile of every distinct k3-mini kernel (tests/mini_codegen.py) on a fresh cache:
+# alone about 9 minutes on the project's 2-core CPU machines; in a full run it shares the cores with the other tests
+# at low priority, and the first test here, whose set-up waits for it, measured 1,549 s of waiting (local .ci/run of
+# 0ffb83a, 2026-12-07). pytest-timeout counts set-up too, so the limit leaves room above that (CI's is 90 minutes)
+pytestmark = pytest.mark.timeout(3000)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,12 @@ def test_every_instance_compiles_without_spills(mini_build):
         for b in DEFAULT_BUCKETS:
             assert any(u["tp"] == tp and u["bucket"] == b for k in manifest["kernels"].values()
                        for u in k["implements"]), (tp, b)
+
+
+def test_readme_states_how_many_kernels_the_suite_compiles(mini_codegen):
+    # README's test set-up note names the count; a template change that adds or drops kernels updates it
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"compiles all {len(mini_codegen.points)} k3-mini kernels" in readme
 
 
 def test_coverage_is_reported_honestly(mini_codegen, mini_build):
