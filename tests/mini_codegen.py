@@ -1,11 +1,11 @@
 """The k3-mini kernel set that tests/compiler/test_codegen.py checks, compiled in a background process.
 
-Compiling every distinct k3-mini kernel (TP 1/2/4/8 x every bucket; README gives the count) costs about 16 CPU-minutes. So
-tests/conftest.py starts this compile as soon as collection is done, at low priority (nice 10) beside the tests,
-into the run's shared kernel cache, and moves the tests that need it to the end; their fixture waits for it and
-writes the set again from the warm cache. Under pytest-xdist the controller starts it and owns it, and the worker
-that runs those tests waits for the files it writes. The compile is real either way: the cache is fresh per run
-unless K3COMPILE_CACHE is set.
+Compiling every distinct k3-mini kernel (TP 1/2/4/8 x every bucket; README gives the count) costs about 16
+CPU-minutes. So tests/conftest.py starts this compile as soon as collection is done, at low priority (nice 10)
+beside the tests, into the run's shared kernel cache, and moves the tests that need it to the end; their fixture
+waits for it and writes the set again from the warm cache. Under pytest-xdist the controller starts it and owns it,
+and the worker that runs those tests waits for the files it writes. The compile is real either way: the cache is
+fresh per run unless K3COMPILE_CACHE is set.
 
 As a script: ``python mini_codegen.py OUT WORKERS`` (what the background process runs).
 """
