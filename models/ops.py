@@ -68,7 +68,10 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, score_bias: torch.Te
 
 # Below this many expert weights (all experts, w1+w2+w3), the routed experts are evaluated densely: every
 # expert on every token, unselected ones weighted by exactly 0. It is a function of the weights' static
-# shapes only (never of the batch), and much faster on a CPU for small models like k3-mini.
+# shapes only (never of the batch), and much faster on a CPU for small models like k3-mini. The dense path
+# multiplies in fp32 (the bf16 values widened exactly, fp32 sums, rounded to the activation dtype where the
+# model stores gate, up and each expert's output): what a bf16 GEMM with fp32 accumulation computes, 6 x faster
+# on a CPU without bf16 instructions, whose bf16 bmm is a scalar loop.
 DENSE_EXPERTS_MAX_WEIGHTS = 1 << 24
 
 
@@ -87,13 +90,14 @@ def latent_moe_experts(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     dt = z.dtype
     E, I, half_l = w1_packed.shape
     if 3 * E * I * half_l * 2 <= DENSE_EXPERTS_MAX_WEIGHTS:
-        w1 = dequantize_static(w1_packed, w1_scale, dt)  # [E, I, L]
-        w3 = dequantize_static(w3_packed, w3_scale, dt)
-        w2 = dequantize_static(w2_packed, w2_scale, dt)  # [E, L, I]
-        zs = z[None].expand(E, -1, -1)  # [E, B, L]; bmm keeps batch 1 unspecialised (matmul would not)
-        gate = torch.bmm(zs, w1.transpose(1, 2))  # [E, B, I]
-        up = torch.bmm(zs, w3.transpose(1, 2))
-        y = torch.bmm(situ_glu(gate, up, beta, linear_beta), w2.transpose(1, 2))  # [E, B, L]
+        f32 = torch.float32  # the dequantised weights are exact in fp32 as in bf16 (mxfp4.dequantize)
+        w1 = dequantize_static(w1_packed, w1_scale, f32)  # [E, I, L]
+        w3 = dequantize_static(w3_packed, w3_scale, f32)
+        w2 = dequantize_static(w2_packed, w2_scale, f32)  # [E, L, I]
+        zs = z.float()[None].expand(E, -1, -1)  # [E, B, L]; bmm keeps batch 1 unspecialised (matmul would not)
+        gate = torch.bmm(zs, w1.transpose(1, 2)).to(dt)  # [E, B, I]
+        up = torch.bmm(zs, w3.transpose(1, 2)).to(dt)
+        y = torch.bmm(situ_glu(gate, up, beta, linear_beta).float(), w2.transpose(1, 2)).to(dt)  # [E, B, L]
         dense_w = torch.zeros(z.shape[0], E, dtype=torch.float32, device=z.device)
         dense_w = dense_w.scatter(1, ids, weights.float())  # [B, E]: 0 for experts a token did not pick
         return (y.float() * dense_w.t()[..., None]).sum(0).to(dt)
@@ -147,7 +151,10 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     beta = torch.sigmoid(beta_logits.float())  # [B, H], one scalar per head
     state = recurrent_state * torch.exp(gate)[..., None]  # decay first, rows = key index
     u = vh - torch.matmul(kh[..., None, :], state)[..., 0, :]  # v - S^T k
-    state = state + beta[..., None, None] * kh[..., :, None] * u[..., None, :]
+    # S + beta k u^T, one fused multiply-add per element, into the fresh decayed state itself unless autograd keeps
+    # it for u's gradient (training): no [B, H, K, V] temporaries; on a CPU this update was half of k3-mini's step
+    bk, ut = (beta[..., None] * kh)[..., :, None], u[..., None, :]
+    state = torch.addcmul(state, bk, ut) if state.requires_grad else state.addcmul_(bk, ut)
     o = torch.matmul(qh[..., None, :], state)[..., 0, :]  # S^T q
     # Gated per-head RMSNorm: one [D] weight shared by all heads; sigmoid of the raw g projection.
     on = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * o_norm_weight.float()

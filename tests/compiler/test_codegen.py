@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(3000)
 
 @pytest.fixture(scope="module")
 def mini_codegen():
-    return background.points()
+    return background.shared_points()
 
 
 @pytest.fixture(scope="module")
